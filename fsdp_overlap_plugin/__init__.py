@@ -1,0 +1,28 @@
+"""fsdp-overlap: FSDP2 sharding that torch.compile can see, plus passes that hide its
+communication behind compute. Public API only; see docs/architecture.md."""
+
+from __future__ import annotations
+
+from ._version import __version__, check_torch_version
+from .config import MeshConfig, OverlapConfig, OverlapConfigError
+from .parallelize import parallelize
+from .plan import PlanWarning, auto_plan, resolve_plan
+from .report import format_report, schedule_report
+from .sharding import gather_disabled, materialize
+
+check_torch_version()
+
+__all__ = [
+    "MeshConfig",
+    "OverlapConfig",
+    "OverlapConfigError",
+    "PlanWarning",
+    "__version__",
+    "auto_plan",
+    "format_report",
+    "gather_disabled",
+    "materialize",
+    "parallelize",
+    "resolve_plan",
+    "schedule_report",
+]

@@ -1,0 +1,127 @@
+"""One place that decides the device and the communication backend.
+
+    cuda -> nccl      (NVIDIA GPUs)
+    npu  -> hccl      (Ascend NPUs, through ``torch_npu``)
+    cpu  -> gloo      (development and CI)
+
+This is the only module that imports ``torch_npu``; everything else asks here. Tests
+replace ``torch_npu`` with a small fake module in ``sys.modules`` to check the NPU
+decisions on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "DeviceInfo",
+    "backend_for",
+    "detect_device_type",
+    "device_for_rank",
+    "device_module",
+    "local_rank",
+    "npu_module",
+]
+
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a rank runs on: the device type, its backend, and this rank's device."""
+
+    device_type: str
+    backend: str
+    device: torch.device
+
+
+def npu_module() -> ModuleType | None:
+    """``torch_npu`` if it imports, else None (no Ascend software installed)."""
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError:
+        return None
+
+
+def device_module(device_type: str) -> ModuleType | None:
+    """The ``torch.<device>`` module (``torch.cuda``, ``torch.npu``) or None for cpu."""
+    if device_type == "cpu":
+        return None
+    if device_type == "npu":
+        npu_module()  # importing torch_npu registers torch.npu
+    return getattr(torch, device_type, None)
+
+
+def _available(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    if device_type == "npu" and npu_module() is None:
+        return False
+    module = device_module(device_type)
+    try:
+        return bool(module is not None and module.is_available() and module.device_count() > 0)
+    except Exception:  # a broken driver reads as "not available", not as a crash
+        return False
+
+
+def detect_device_type(preferred: str | None = None) -> str:
+    """The device type to use: ``preferred`` if given (checked), else cuda, npu, cpu in order."""
+    if preferred is not None:
+        if preferred not in BACKENDS:
+            raise ValueError(f"device type {preferred!r} is not supported; valid: {', '.join(BACKENDS)}.")
+        if not _available(preferred):
+            raise RuntimeError(f"device type {preferred!r} was requested but is not available on this machine.")
+        return preferred
+    for device_type in ("cuda", "npu"):
+        if _available(device_type):
+            return device_type
+    return "cpu"
+
+
+def backend_for(device_type: str) -> str:
+    """The process-group backend for a device type: cuda -> nccl, npu -> hccl, cpu -> gloo."""
+    try:
+        return BACKENDS[device_type]
+    except KeyError:
+        raise ValueError(f"device type {device_type!r} is not supported; valid: {', '.join(BACKENDS)}.") from None
+
+
+def local_rank() -> int:
+    """This process's rank on its node, from the launcher's environment (0 if unset)."""
+    for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def device_for_rank(device_type: str, rank_on_node: int | None = None) -> torch.device:
+    """The device a rank uses: one accelerator per rank on a node, or the CPU."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    rank_on_node = local_rank() if rank_on_node is None else rank_on_node
+    module = device_module(device_type)
+    count = module.device_count() if module is not None else 0
+    if count == 0:
+        raise RuntimeError(f"no {device_type} device is visible to this process.")
+    return torch.device(device_type, rank_on_node % count)
+
+
+def set_device(device: torch.device) -> None:
+    """Make ``device`` the current device of its type (a no-op on CPU)."""
+    if device.type == "cpu":
+        return
+    module = device_module(device.type)
+    if module is not None:
+        module.set_device(device)
+
+
+def current(preferred: str | None = None, rank_on_node: int | None = None) -> DeviceInfo:
+    """Everything a rank needs to know: device type, backend and device."""
+    device_type = detect_device_type(preferred)
+    return DeviceInfo(device_type, backend_for(device_type), device_for_rank(device_type, rank_on_node))

@@ -1,0 +1,398 @@
+"""OverlapConfig: every knob of the plugin, with its default and its validation.
+
+The field docstrings below *are* the user documentation: ``OverlapConfig.describe()``
+prints them, ``docs/config.md`` is generated from them, and the YAML files in
+``configs/`` use the same names. Every way of building a config (keyword arguments,
+``from_dict``, ``from_yaml``) goes through ``validate()``, so a typo or a wrong type
+fails at startup with the key named and the nearest valid choice suggested.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MeshConfig", "OverlapConfig", "OverlapConfigError", "parse_dtype"]
+
+
+class OverlapConfigError(ValueError):
+    """A configuration problem, raised at startup, naming the key or module at fault."""
+
+
+# Accepted spellings of each dtype; the first one is the canonical name.
+_DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
+    "bf16": (torch.bfloat16, ("bf16", "bfloat16", "torch.bfloat16")),
+    "fp16": (torch.float16, ("fp16", "float16", "half", "torch.float16")),
+    "fp32": (torch.float32, ("fp32", "float32", "float", "torch.float32")),
+}
+_BACKENDS = ("inductor", "aot_eager")
+_RANK_CHECK = ("error", "warn", "off")
+_ON_COMPILE_ERROR = ("raise", "eager")
+
+
+def suggest(word: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
+    """A ' Did you mean ...?' suffix naming the nearest valid choices, or ''."""
+    close = difflib.get_close_matches(str(word), list(choices), n=n, cutoff=0.5)
+    if not close:
+        return ""
+    return " Did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
+def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype | None:
+    """Turn a dtype name (``"bf16"``, ``"float32"``, ...) or a ``torch.dtype`` into a dtype."""
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and value not in {d for d, _ in _DTYPES.values()}:
+            raise OverlapConfigError(f"{key}: unsupported dtype {value}; use one of bf16, fp16, fp32 or null.")
+        return value
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        for dtype, spellings in _DTYPES.values():
+            if lowered in spellings:
+                return dtype
+        spellings = [s for _, names in _DTYPES.values() for s in names]
+        raise OverlapConfigError(
+            f"{key}: unknown dtype {value!r}; valid: bf16, fp16, fp32 or null.{suggest(lowered, spellings)}"
+        )
+    raise OverlapConfigError(f"{key}: expected a dtype name (bf16, fp16, fp32) or null, got {type(value).__name__}.")
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """The canonical short name of a dtype (``torch.bfloat16`` -> ``"bf16"``)."""
+    for name, (d, _) in _DTYPES.items():
+        if d == dtype:
+            return name
+    return None
+
+
+@dataclass
+class MeshConfig:
+    """The data-parallel device mesh: ``replicate`` x ``shard`` ranks."""
+
+    shard: int = -1
+    """Ranks a parameter is sharded over (FSDP group size); -1 means world_size // replicate."""
+
+    replicate: int = 1
+    """Replica groups; > 1 turns on HSDP (shard inside a group, all-reduce across groups)."""
+
+    def sizes(self, world_size: int) -> tuple[int, int]:
+        """``(replicate, shard)`` for this world size; raises if they do not multiply to it."""
+        replicate, shard = self.replicate, self.shard
+        if shard == -1:
+            if world_size % replicate:
+                raise OverlapConfigError(
+                    f"mesh.replicate={replicate} does not divide the world size {world_size}; "
+                    f"valid values: {_divisors(world_size)}."
+                )
+            shard = world_size // replicate
+        if replicate * shard != world_size:
+            raise OverlapConfigError(
+                f"mesh: replicate={replicate} x shard={shard} = {replicate * shard} ranks, "
+                f"but the world size is {world_size}. Set shard: -1 to derive it, or pick "
+                f"sizes whose product is {world_size}."
+            )
+        return replicate, shard
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class OverlapConfig:
+    """Configuration of fsdp-overlap (FSDP2 sharding, compile, and the overlap passes)."""
+
+    bucket_plans: str | list = "auto"
+    """Which modules' collectives are merged into one bucket: "auto" (one bucket per repeated
+    block of the model's largest ModuleList/Sequential, one for the modules before it, one for
+    those after it), or a list whose entries are a module FQN ("layers.0") or a list of FQNs
+    (["norm", "output"]) forming one bucket. FQNs are relative to the model root. A string
+    entry with a glob ("layers.*") or numeric range ("layers.[0-3]") expands to one bucket per
+    matching module, in module order; inside a list entry it adds all matches to that bucket."""
+
+    manual_bucketing: bool = True
+    """Merge the all-gathers and reduce-scatters of each plan entry into one collective, and
+    prefetch the next bucket's all-gather while the current bucket computes."""
+
+    overlap_grad_reduce: bool = True
+    """Launch each gradient reduce-scatter as soon as its gradient exists, and wait for it only
+    where the reduced gradient is first used."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward and re-gather them in backward (less memory,
+    more communication), as FSDP2's reshard_after_forward=True."""
+
+    reshard_last_bucket: bool = False
+    """Also reshard the last forward bucket. Off by default: backward starts with exactly
+    those parameters, and re-gathering them at once cannot be hidden (FSDP2 keeps the root
+    unsharded for the same reason). Only read when reshard_after_forward is true."""
+
+    param_dtype: str | None = None
+    """Dtype parameters are gathered and computed in: "bf16", "fp16", "fp32", or null (keep the
+    parameter's own dtype). The sharded master copy keeps its dtype."""
+
+    reduce_dtype: str | None = None
+    """Dtype gradients are reduce-scattered in: "bf16", "fp16", "fp32", or null (same as
+    param_dtype when set, else the parameter's dtype)."""
+
+    compile: bool = True
+    """Compile the model with torch.compile so the passes can see its collectives. False falls
+    back to eager FSDP2 fully_shard per plan entry (no passes)."""
+
+    backend: str = "inductor"
+    """torch.compile backend: "inductor" (generated code) or "aot_eager" (ATen graphs run
+    eagerly; quick to compile, useful for debugging)."""
+
+    fullgraph: bool = True
+    """Require one graph for the whole forward. A graph break leaves collectives outside the
+    graph, where they are not overlapped."""
+
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Data-parallel mesh, {shard: -1, replicate: 1}; replicate > 1 means HSDP."""
+
+    activation_checkpointing: list = field(default_factory=list)
+    """Module FQNs or patterns ("layers.*") whose forward is recomputed in backward."""
+
+    separate_gather_group: bool | None = None
+    """Run parameter all-gathers on their own process group so a reduce-scatter issued earlier
+    on the same communicator cannot delay the next prefetch. null = on for nccl/hccl, off for
+    gloo (gloo runs each group's collectives on worker threads already)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, source: str = "config") -> OverlapConfig:
+        """Build a config from a plain mapping; unknown keys are an error naming the nearest key."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise OverlapConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in names:
+                raise OverlapConfigError(
+                    f"{source}: unknown key {key!r}.{suggest(str(key), names)} Valid keys: {', '.join(names)}."
+                )
+        kwargs = dict(data)
+        if "mesh" in kwargs:
+            kwargs["mesh"] = _mesh_from_value(kwargs["mesh"], source)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> OverlapConfig:
+        """Load a plugin YAML file (a mapping of the keys of this class)."""
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def coerce(cls, config: OverlapConfig | dict | str | Path | None, **overrides: Any) -> OverlapConfig:
+        """Accept a config object, a dict, a YAML path or None, then apply keyword overrides."""
+        if isinstance(config, OverlapConfig):
+            base = config
+        elif isinstance(config, (str, Path)):
+            base = cls.from_yaml(config)
+        elif config is None or isinstance(config, dict):
+            base = cls.from_dict(config or {})
+        else:
+            raise OverlapConfigError(
+                f"config: expected an OverlapConfig, a dict or a YAML path, got {type(config).__name__}."
+            )
+        if not overrides:
+            return base
+        merged = base.to_dict()
+        merged.update(overrides)
+        return cls.from_dict(merged, source="keyword arguments")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, YAML-serialisable mapping of all fields."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> OverlapConfig:
+        """A validated copy with some fields changed."""
+        merged = self.to_dict()
+        merged.update(changes)
+        return type(self).from_dict(merged)
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check every field; raise OverlapConfigError naming the key at fault."""
+        self.bucket_plans = _check_plans(self.bucket_plans)
+        for name in (
+            "manual_bucketing",
+            "overlap_grad_reduce",
+            "reshard_after_forward",
+            "reshard_last_bucket",
+            "compile",
+            "fullgraph",
+        ):
+            _check_bool(name, getattr(self, name))
+        if self.separate_gather_group is not None:
+            _check_bool("separate_gather_group", self.separate_gather_group)
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            parse_dtype(value, name)
+            if isinstance(value, torch.dtype):
+                setattr(self, name, dtype_name(value))
+            elif isinstance(value, str):
+                setattr(self, name, dtype_name(parse_dtype(value, name)))
+        if not isinstance(self.backend, str) or self.backend not in _BACKENDS:
+            raise OverlapConfigError(
+                f"backend: unknown backend {self.backend!r}; valid: {', '.join(_BACKENDS)}.{suggest(str(self.backend), _BACKENDS)}"
+            )
+        self.mesh = _mesh_from_value(self.mesh, "config")
+        for name in ("shard", "replicate"):
+            value = getattr(self.mesh, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise OverlapConfigError(f"mesh.{name}: expected an integer, got {value!r}.")
+        if self.mesh.replicate < 1:
+            raise OverlapConfigError(f"mesh.replicate: must be >= 1, got {self.mesh.replicate}.")
+        if self.mesh.shard == 0 or self.mesh.shard < -1:
+            raise OverlapConfigError(f"mesh.shard: must be >= 1, or -1 for 'the rest', got {self.mesh.shard}.")
+        ac = self.activation_checkpointing
+        if ac is None:
+            self.activation_checkpointing = []
+        elif isinstance(ac, str):
+            self.activation_checkpointing = [ac]
+        elif not isinstance(ac, (list, tuple)) or not all(isinstance(x, str) and x for x in ac):
+            raise OverlapConfigError(
+                f"activation_checkpointing: expected a list of module FQNs or patterns, got {ac!r}."
+            )
+        else:
+            self.activation_checkpointing = list(ac)
+
+    @property
+    def torch_param_dtype(self) -> torch.dtype | None:
+        return parse_dtype(self.param_dtype, "param_dtype")
+
+    @property
+    def torch_reduce_dtype(self) -> torch.dtype | None:
+        return parse_dtype(self.reduce_dtype, "reduce_dtype") or self.torch_param_dtype
+
+    @property
+    def passes_enabled(self) -> bool:
+        return self.compile and (self.manual_bucketing or self.overlap_grad_reduce)
+
+    # ------------------------------------------------------------ documentation
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Field name -> its docstring (the text under the field in this file)."""
+        return _attribute_docstrings(cls)
+
+    @classmethod
+    def describe(cls) -> str:
+        """Every key with its default and documentation, as a user reads it in ``--help``."""
+        lines = []
+        docs = cls.field_docs()
+        defaults = cls().to_dict()
+        for name, doc in docs.items():
+            lines.append(f"{name} (default: {defaults[name]!r})")
+            lines.extend("    " + line for line in textwrap.wrap(doc, 84))
+        return "\n".join(lines)
+
+
+def config_markdown() -> str:
+    """``docs/config.md``: every key, its default and its documentation."""
+    defaults = OverlapConfig().to_dict()
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the field docstrings of `OverlapConfig` (regenerate with `make docs`). The same keys work as",
+        "YAML (`OverlapConfig.from_yaml`), as keyword arguments of `parallelize()` and of the",
+        "Lightning strategy, and, prefixed `fsdp_overlap_`, in an Accelerate `fsdp_config`.",
+        "",
+        "| key | default | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for name, doc in OverlapConfig.field_docs().items():
+        default = defaults[name]
+        shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else default)
+        lines.append(f"| `{name}` | `{shown}` | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def _attribute_docstrings(cls: type) -> dict[str, str]:
+    """Read the string literal after each annotated attribute of a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise OverlapConfigError(f"{name}: expected true or false, got {value!r} ({type(value).__name__}).")
+
+
+def _mesh_from_value(value: Any, source: str) -> MeshConfig:
+    if isinstance(value, MeshConfig):
+        return value
+    if value is None:
+        return MeshConfig()
+    if not isinstance(value, dict):
+        raise OverlapConfigError(f"{source}: mesh: expected a mapping like {{shard: -1, replicate: 1}}, got {value!r}.")
+    names = [f.name for f in dataclasses.fields(MeshConfig)]
+    for key in value:
+        if key not in names:
+            raise OverlapConfigError(
+                f"{source}: unknown key 'mesh.{key}'.{suggest(str(key), names)} Valid keys: mesh.shard, mesh.replicate."
+            )
+    return MeshConfig(**value)
+
+
+def _check_plans(plans: Any) -> str | list:
+    """Shape check only; names are checked against the model by plan.resolve_plan."""
+    if isinstance(plans, str):
+        if plans != "auto":
+            raise OverlapConfigError(
+                f'bucket_plans: expected "auto" or a list of module FQNs, got the string {plans!r}. '
+                f"For a single bucket write [{plans!r}]."
+            )
+        return plans
+    if isinstance(plans, tuple):
+        plans = list(plans)
+    if not isinstance(plans, list):
+        raise OverlapConfigError(
+            f'bucket_plans: expected "auto" or a list of module FQNs / lists of FQNs, got {type(plans).__name__}.'
+        )
+    if not plans:
+        raise OverlapConfigError(
+            'bucket_plans: the plan is empty. Use "auto", list module FQNs, or set '
+            "manual_bucketing: false to turn bucketing off."
+        )
+    out: list = []
+    for i, entry in enumerate(plans):
+        if isinstance(entry, str) and entry:
+            out.append(entry)
+        elif isinstance(entry, (list, tuple)) and entry and all(isinstance(x, str) and x for x in entry):
+            out.append(list(entry))
+        else:
+            raise OverlapConfigError(
+                f"bucket_plans[{i}]: expected a module FQN or a non-empty list of FQNs, got {entry!r}."
+            )
+    return out

@@ -1,0 +1,86 @@
+"""``parallelize(model, config)``: plan -> shard -> compile, in that order, in place."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import accelerators
+from .compile import _STATE_ATTR, OverlapState, compile_model, model_fingerprint
+from .config import OverlapConfig, OverlapConfigError
+from .passes.plan_index import BucketIndex
+from .plan import resolve_plan
+from .sharding import apply_activation_checkpointing, build_mesh, fully_shard_plan, shard_parameters
+
+__all__ = ["parallelize", "unbucketed_parameters"]
+
+
+def unbucketed_parameters(model: nn.Module, plan: list[list[str]]) -> list[str]:
+    """Parameter FQNs held by modules that no plan entry covers."""
+    index = BucketIndex(plan)
+    out = []
+    for name, module in model.named_modules():
+        if index.bucket_of(name) is None:
+            out.extend(f"{name}.{p}" if name else p for p, v in module._parameters.items() if v is not None)
+    return out
+
+
+def parallelize(
+    model: nn.Module,
+    config: OverlapConfig | dict | str | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    **overrides,
+) -> nn.Module:
+    """Shard ``model`` the FSDP2 way and compile it with the overlap passes, in place.
+
+    Args:
+        model: the model, on CPU, on its device, or on the meta device (then call
+            ``fsdp_overlap_plugin.materialize`` afterwards).
+        config: an ``OverlapConfig``, a dict of its fields, a YAML path, or None for
+            the defaults; keyword ``overrides`` are applied on top.
+        mesh: the data-parallel ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)`` for
+            HSDP). Defaults to all ranks of the default process group, shaped by
+            ``config.mesh``; a dict such as ``{"replicate": 2}`` sets ``config.mesh``.
+
+    Returns the same module object: parameters are ``DTensor`` ``Shard(0)`` shards and,
+    with ``compile: true``, its forward is compiled with the passes installed. With
+    ``compile: false`` it is wrapped the eager FSDP2 way (``fully_shard`` per bucket).
+    """
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        overrides["mesh"] = mesh  # the config field (a dict / MeshConfig), not a DeviceMesh
+        mesh = None
+    config = OverlapConfig.coerce(config, **overrides)
+    plan = resolve_plan(model, config)  # pure: every rank raises the same error here
+    if mesh is None:
+        device_type = accelerators.detect_device_type()
+        mesh = build_mesh(config, device_type)
+    elif mesh.ndim not in (1, 2):
+        raise OverlapConfigError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D.")
+    device_type = mesh.device_type
+    if device_type != "cpu" and not _on_meta(model):
+        model.to(accelerators.device_for_rank(device_type))
+    state = OverlapState(
+        config=config,
+        plan=plan,
+        device_type=device_type,
+        world_size=dist.get_world_size(),
+        mesh_shape=tuple(mesh.shape),
+        mesh=mesh,
+        model_fingerprint=model_fingerprint(model),
+        unbucketed_params=unbucketed_parameters(model, plan),
+    )
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model, config.activation_checkpointing)
+    if config.compile:
+        shard_parameters(model, mesh, config)
+        compile_model(model, state)
+    else:
+        fully_shard_plan(model, mesh, plan, config)
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())

@@ -1,0 +1,14 @@
+"""Compiler passes: pure FX -> FX functions. No process-group calls, no tensor values.
+
+* ``annotate_reshard``      joint graph: reshard-after-forward recompute tags per bucket
+* ``manual_bucketing``      merge each plan entry's collectives, prefetch one bucket ahead
+* ``overlap_grad_reduce``   launch gradient reduce-scatters early, sink their waits
+* ``pin_collective_order``  (inductor) make the chosen order survive code generation
+"""
+
+from .bucketing import manual_bucketing
+from .grad_overlap import overlap_grad_reduce
+from .pin import pin_collective_order
+from .reshard import annotate_reshard
+
+__all__ = ["annotate_reshard", "manual_bucketing", "overlap_grad_reduce", "pin_collective_order"]

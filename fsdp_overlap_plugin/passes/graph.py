@@ -1,0 +1,289 @@
+"""Shared FX predicates: collectives, waits, views, barriers, groups, module paths.
+
+Every pass asks these questions the same way, so a graph the bucketing pass rewrote
+(waits possibly wrapped in ``control_deps``) reads the same to the gradient-overlap
+pass. Nothing here touches a process group or a tensor value.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "C10D",
+    "collective_counts",
+    "collective_of_wait",
+    "effective_target",
+    "graph_kind",
+    "group_name",
+    "is_all_gather",
+    "is_all_reduce",
+    "is_barrier",
+    "is_collective",
+    "is_control_deps",
+    "is_fsdp_all_gather",
+    "is_fsdp_reduce_scatter",
+    "is_reduce_scatter",
+    "is_view",
+    "is_wait",
+    "module_path",
+    "node_args",
+    "wait_of",
+]
+
+C10D = torch.ops._c10d_functional
+_COMM_NAMESPACES = ("_c10d_functional", "c10d_functional")
+_ALL_GATHERS = (C10D.all_gather_into_tensor.default, C10D.all_gather_into_tensor_out.default)
+
+
+def _control_deps_op() -> Any:
+    try:
+        from torch._inductor.fx_passes.control_dependencies import control_deps
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return control_deps
+
+
+_CONTROL_DEPS = _control_deps_op()
+
+
+def is_control_deps(node: fx.Node) -> bool:
+    """A ``control_deps`` wrapper (inserted to pin an order) around one operation."""
+    return node.op == "call_function" and _CONTROL_DEPS is not None and node.target is _CONTROL_DEPS
+
+
+def _wrapped_target(node: fx.Node) -> Any:
+    sub = node.args[1]
+    gm = node.graph.owning_module
+    if isinstance(sub, fx.Node) and sub.op == "get_attr" and gm is not None:
+        module = getattr(gm, str(sub.target), None)
+        if isinstance(module, fx.GraphModule):
+            for inner in module.graph.nodes:
+                if inner.op == "call_function":
+                    return inner.target
+    return None
+
+
+def effective_target(node: fx.Node) -> Any:
+    """The operation a node runs, looking through a ``control_deps`` wrapper."""
+    if node.op != "call_function":
+        return None
+    if is_control_deps(node):
+        return _wrapped_target(node)
+    return node.target
+
+
+def node_args(node: fx.Node) -> tuple:
+    """Positional arguments of the operation (without a ``control_deps`` wrapper's own)."""
+    if is_control_deps(node):
+        return tuple(node.args[2:])
+    return tuple(node.args)
+
+
+def _namespace(target: Any) -> str:
+    return getattr(target, "namespace", "") or ""
+
+
+def is_wait(node: fx.Node) -> bool:
+    target = effective_target(node)
+    return target is not None and _namespace(target) in _COMM_NAMESPACES and "wait_tensor" in str(target)
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A collective launch (all-gather, reduce-scatter, all-reduce, ...), not a wait."""
+    target = effective_target(node)
+    return target is not None and _namespace(target) in _COMM_NAMESPACES and not is_wait(node)
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    return effective_target(node) in _ALL_GATHERS
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    return effective_target(node) is C10D.reduce_scatter_tensor.default
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return effective_target(node) is C10D.all_reduce.default
+
+
+def collective_of_wait(wait: fx.Node) -> fx.Node | None:
+    """The collective a wait waits on (through a ``getitem`` for coalesced collectives)."""
+    args = node_args(wait)
+    if not args or not isinstance(args[0], fx.Node):
+        return None
+    src = args[0]
+    if src.op == "call_function" and src.target is operator.getitem:
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and is_collective(src) else None
+
+
+def wait_of(collective: fx.Node) -> fx.Node | None:
+    """The single wait of a collective, or None if it has none or several."""
+    waits = [u for u in collective.users if is_wait(u)]
+    return waits[0] if len(waits) == 1 else None
+
+
+def group_name(node: fx.Node) -> Any:
+    """The process-group name of a collective (its last positional argument)."""
+    args = node_args(node)
+    name = node.kwargs.get("group_name", args[-1] if args else None)
+    if isinstance(name, fx.Node):  # compile-on-one-rank graphs pass the group as a node
+        val = name.meta.get("val")
+        return getattr(val, "group_name", name.name)
+    return name
+
+
+def is_view(node: fx.Node) -> bool:
+    """An operation whose output aliases its input (no data is computed or copied)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and is_view(src)
+    if isinstance(target, torch._ops.OpOverload):
+        if getattr(target, "is_view", False):
+            return True
+        returns = target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None and not _mutates(target)
+    return False
+
+
+def _mutates(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def is_barrier(node: fx.Node) -> bool:
+    """A node nothing may be moved across: graph inputs/outputs, mutation, side effects.
+
+    Collectives and waits are not barriers here: each pass decides which of them it
+    owns and which it must respect (an unowned collective on the same group is a
+    barrier for launches; see the passes).
+    """
+    if node.op in ("placeholder", "output", "get_attr"):
+        return node.op != "get_attr"
+    if node.op != "call_function":
+        return True
+    if is_collective(node) or is_wait(node):
+        return False
+    if is_control_deps(node):
+        return True  # an order someone pinned on purpose
+    target = node.target
+    if _mutates(target):
+        return True
+    try:
+        return node.is_impure()
+    except Exception:  # pragma: no cover - defensive: unknown targets are barriers
+        return True
+
+
+_ROOT = re.compile(r"""^L\[(?:'[^']*'|"[^"]*")\]""")
+_ITEM = re.compile(r"""\[(?:'([^']*)'|"([^"]*)"|(\d+))\]""")
+
+
+def clean_module_path(stack_key: str) -> str:
+    """``L['self'].blocks.0.ln`` / ``L['self']._modules['blocks']['0']`` -> ``blocks.0.ln``.
+
+    Works whatever the compiled root's first argument is called (``self``, ``s``, ...).
+    """
+    path = _ROOT.sub("", stack_key)
+    path = path.replace("._modules", "")
+    path = _ITEM.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), path)
+    return path.strip(".")
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The innermost module path a node was traced in, relative to the compiled root.
+
+    Forward (and recomputed) nodes carry ``nn_module_stack``; backward nodes carry
+    ``fwd_nn_module_stack``. Bucketed nodes keep the first source's stack. Returns
+    None when the node has no module information at all.
+    """
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    last = list(stack.values())[-1]
+    key = last[0] if isinstance(last, tuple) else str(last)
+    return clean_module_path(key)
+
+
+def _single_input_chain_to_placeholder(node: fx.Node, limit: int = 16) -> bool:
+    cur = node
+    for _ in range(limit):
+        inputs = cur.all_input_nodes
+        if cur.op == "placeholder":
+            return True
+        if len(inputs) != 1:
+            return False
+        cur = inputs[0]
+    return False
+
+
+def is_fsdp_all_gather(node: fx.Node) -> bool:
+    """An all-gather of a parameter shard: its input comes from a graph input through
+    single-input operations only (dtype casts, views)."""
+    if not is_all_gather(node):
+        return False
+    source = node_args(node)[0]
+    return isinstance(source, fx.Node) and _single_input_chain_to_placeholder(source)
+
+
+def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
+    """A gradient reduce-scatter: its result reaches the graph output through single-input
+    operations only (wait, casts, views, and on HSDP the replica all-reduce and its wait)."""
+    if not is_reduce_scatter(node):
+        return False
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        for user in cur.users:
+            if user.op == "output":
+                continue
+            data_inputs = (
+                [a for a in node_args(user) if isinstance(a, fx.Node)]
+                if is_control_deps(user)
+                else user.all_input_nodes
+            )
+            if len(data_inputs) != 1:
+                return False
+            stack.append(user)
+    return True
+
+
+def graph_kind(graph: fx.Graph) -> str:
+    """ "backward" if the graph takes tangents, else "forward" (training or inference)."""
+    for node in graph.find_nodes(op="placeholder"):
+        if node.name.startswith("tangents"):
+            return "backward"
+    return "forward"
+
+
+def collective_counts(graph: fx.Graph) -> dict[str, int]:
+    """How many of each collective (and waits) a graph holds."""
+    counts: Counter[str] = Counter()
+    for node in graph.nodes:
+        if is_wait(node):
+            counts["wait"] += 1
+        elif is_all_gather(node):
+            counts["all_gather"] += 1
+        elif is_reduce_scatter(node):
+            counts["reduce_scatter"] += 1
+        elif is_all_reduce(node):
+            counts["all_reduce"] += 1
+        elif is_collective(node):
+            counts["other"] += 1
+    return {k: counts.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce", "wait", "other")}

@@ -1,0 +1,98 @@
+"""Reshard-after-forward, decided per bucket, as recompute tags on the joint graph.
+
+Without tags the partitioner saves every gathered parameter for backward: memory of an
+unsharded model, and no all-gathers in the backward graph. This pass runs on the joint
+(forward + backward) graph before partitioning and tags, for each FSDP all-gather, the
+chain that produces the gathered parameter::
+
+    shard --cast--> all_gather --> wait --view/slice...--> weight used by compute
+
+``MUST_RECOMPUTE`` (reshard: the backward re-gathers) or ``MUST_SAVE`` (keep the gathered
+parameter until its backward). Tagging only the all-gather and its wait is not enough:
+the partitioner would then save the view after the wait, so the whole single-user
+chain is tagged.
+
+Policy: with ``reshard_after_forward`` every bucket reshards, except the bucket that
+the forward gathers last (unless ``reshard_last_bucket``): backward starts with exactly
+those parameters, and re-gathering them at the graph boundary cannot be hidden behind
+anything. FSDP2 keeps its root unsharded for the same reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .graph import is_fsdp_all_gather, is_view, module_path, wait_of
+from .plan_index import BucketIndex
+
+__all__ = ["annotate_reshard"]
+
+# Far from any activation-checkpoint region id, so the partitioner never merges our
+# tags with a user's checkpoint region (nodes on the border of two regions are saved).
+_AC_GRAPH_ID = 100_000
+_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+def _gather_chain(ag: fx.Node) -> list[fx.Node]:
+    chain = [ag]
+    source = ag.args[0]
+    if (
+        isinstance(source, fx.Node)
+        and source.op == "call_function"
+        and source.target in _CASTS
+        and len(source.users) == 1
+    ):
+        chain.insert(0, source)
+    wait = wait_of(ag)
+    if wait is None:
+        return chain
+    chain.append(wait)
+    cur = wait
+    while len(cur.users) == 1:
+        user = next(iter(cur.users))
+        if not is_view(user):
+            break
+        chain.append(user)
+        cur = user
+    return chain
+
+
+def annotate_reshard(
+    gm: fx.GraphModule,
+    buckets: list[list[str]],
+    *,
+    reshard_after_forward: bool = True,
+    reshard_last_bucket: bool = False,
+) -> dict:
+    """Tag each FSDP all-gather chain of the joint graph to be recomputed or saved.
+
+    Returns statistics: how many all-gathers reshard, how many stay gathered, and which
+    bucket was kept (its plan index, or the module path of an unbucketed gather).
+    """
+    index = BucketIndex(buckets)
+    gathers = [n for n in gm.graph.nodes if is_fsdp_all_gather(n)]
+    keys = [index.key(module_path(n)) for n in gathers]
+    kept_key = None
+    if reshard_after_forward and not reshard_last_bucket and gathers:
+        kept_key = keys[-1]
+    resharded = kept = 0
+    for node, key in zip(gathers, keys):
+        reshard = reshard_after_forward and key != kept_key
+        policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+        for member in _gather_chain(node):
+            member.meta["recompute"] = policy
+            member.meta["ac_graph_id"] = _AC_GRAPH_ID
+        if reshard:
+            resharded += 1
+        else:
+            kept += 1
+    stats = {
+        "all_gathers": len(gathers),
+        "resharded": resharded,
+        "kept_gathered": kept,
+        "kept_bucket": index.describe(kept_key) if kept_key is not None else None,
+    }
+    gm.meta.setdefault("fsdp_overlap", {})["reshard"] = stats
+    return stats

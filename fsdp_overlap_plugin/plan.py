@@ -1,0 +1,254 @@
+"""Bucket plans: from the configured ``bucket_plans`` to explicit module FQN lists.
+
+``resolve_plan(model, config)`` needs no process group and allocates nothing, so a YAML
+can be checked against a meta-device model before a job is launched. The result is a
+list of buckets, each a list of module FQNs relative to the model root, in module order
+where patterns were expanded. It is a pure function of the model's structure and the
+config, hence identical on every rank.
+
+Pattern syntax (per dot-separated segment):
+  ``*``, ``?``, ``[abc]``  shell-style glob on one segment (``layers.*``)
+  ``[0-3]``                an inclusive numeric range (``layers.[0-3]``, ``layers.[8-11]``)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from collections.abc import Iterable
+
+import torch.nn as nn
+
+from .config import OverlapConfig, OverlapConfigError, suggest
+
+__all__ = ["resolve_plan", "auto_plan", "expand_pattern", "find_repeated_blocks", "PlanWarning"]
+
+_RANGE = re.compile(r"^\[(\d+)-(\d+)\]$")
+_GLOB_CHARS = set("*?[")
+
+
+class PlanWarning(UserWarning):
+    """A plan that works but probably is not what the user meant (e.g. a bucket with no parameters)."""
+
+
+def _is_pattern(text: str) -> bool:
+    return any(c in _GLOB_CHARS for c in text)
+
+
+def _segment_matches(pattern: str, name: str) -> bool:
+    m = _RANGE.match(pattern)
+    if m:
+        lo, hi = int(m.group(1)), int(m.group(2))
+        return name.isdigit() and lo <= int(name) <= hi
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def expand_pattern(pattern: str, module_names: Iterable[str]) -> list[str]:
+    """The module FQNs matching ``pattern`` segment by segment, in module order."""
+    parts = pattern.split(".")
+    for part in parts:
+        m = _RANGE.match(part)
+        if m and int(m.group(1)) > int(m.group(2)):
+            raise OverlapConfigError(f"pattern {pattern!r}: empty range {part} (start > end).")
+    out = []
+    for name in module_names:
+        segs = name.split(".") if name else []
+        if len(segs) == len(parts) and all(_segment_matches(p, s) for p, s in zip(parts, segs)):
+            out.append(name)
+    return out
+
+
+def _module_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_modules(remove_duplicate=False) if name]
+
+
+def _resolve_name(text: str, names: list[str], name_set: set[str], where: str) -> list[str]:
+    if _is_pattern(text):
+        found = expand_pattern(text, names)
+        if not found:
+            depth = text.count(".") + 1
+            same_depth = sorted({n for n in names if n.count(".") + 1 == depth})
+            hint = suggest(text.replace("*", "0"), same_depth)
+            raise OverlapConfigError(f"{where}: pattern {text!r} matches no module.{hint}")
+        return found
+    if text not in name_set:
+        hint = suggest(text, names)
+        raise OverlapConfigError(
+            f"{where}: no module named {text!r} in {_model_label(names)}.{hint or ' Run fsdp-overlap inspect to list them.'}"
+        )
+    return [text]
+
+
+def _model_label(names: list[str]) -> str:
+    top = sorted({n.split(".")[0] for n in names})
+    return "the model (top-level modules: " + ", ".join(top[:8]) + (", ..." if len(top) > 8 else "") + ")"
+
+
+def _owns_params(model: nn.Module, fqn: str) -> bool:
+    module = model.get_submodule(fqn)
+    return any(True for _ in module.parameters())
+
+
+def resolve_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -> list[list[str]]:
+    """Turn ``config.bucket_plans`` into explicit buckets of module FQNs for ``model``.
+
+    Raises ``OverlapConfigError`` for an unknown FQN (naming the nearest existing ones), a
+    pattern that matches nothing, or two entries that share a module. Warns
+    (``PlanWarning``) for a bucket whose modules own no parameters.
+    """
+    config = OverlapConfig.coerce(config)
+    if config.bucket_plans == "auto":
+        return auto_plan(model)
+    names = _module_names(model)
+    name_set = set(names)
+    buckets: list[list[str]] = []
+    for i, entry in enumerate(config.bucket_plans):
+        where = f"bucket_plans[{i}]"
+        if isinstance(entry, str):
+            expanded = _resolve_name(entry, names, name_set, where)
+            if _is_pattern(entry):
+                buckets.extend([fqn] for fqn in expanded)
+            else:
+                buckets.append(expanded)
+        else:
+            bucket: list[str] = []
+            for j, text in enumerate(entry):
+                for fqn in _resolve_name(text, names, name_set, f"{where}[{j}]"):
+                    if fqn not in bucket:
+                        bucket.append(fqn)
+            buckets.append(bucket)
+    check_disjoint(buckets)
+    for bucket in buckets:
+        if not any(_owns_params(model, fqn) for fqn in bucket):
+            warnings.warn(
+                f"bucket_plans: bucket {bucket} owns no parameters; it will hold no collectives.",
+                PlanWarning,
+                stacklevel=2,
+            )
+    return buckets
+
+
+def check_disjoint(buckets: list[list[str]]) -> None:
+    """Raise if two buckets share a module (the same FQN, or one inside the other)."""
+    owner: dict[str, int] = {}
+    for i, bucket in enumerate(buckets):
+        for fqn in bucket:
+            for other, j in owner.items():
+                if j == i:
+                    continue
+                if fqn == other or fqn.startswith(other + ".") or other.startswith(fqn + "."):
+                    raise OverlapConfigError(
+                        f"bucket_plans: entries {j} and {i} overlap: {other!r} and {fqn!r} share "
+                        f"modules. Each module may belong to one bucket only."
+                    )
+        for fqn in bucket:
+            owner.setdefault(fqn, i)
+
+
+def find_repeated_blocks(model: nn.Module) -> tuple[str, list[str]] | None:
+    """The container (ModuleList/Sequential/ModuleDict) with the most same-class children
+    that own parameters: ``(container_fqn, [child_fqn, ...])``, or None.
+
+    Ties go to the container holding more parameters, then to the one first in module
+    order, so the answer depends only on the model's structure.
+    """
+    best: tuple[int, int, int, str, list[str]] | None = None
+    for order, (name, module) in enumerate(model.named_modules()):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            continue
+        children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        if len(children) < 2:
+            continue
+        by_class: dict[type, list[str]] = {}
+        for n, c in children:
+            by_class.setdefault(type(c), []).append(n)
+        cls, members = max(by_class.items(), key=lambda kv: len(kv[1]))
+        if len(members) < 2:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        key = (len(members), numel, -order)
+        if best is None or key > best[:3]:
+            prefix = f"{name}." if name else ""
+            best = (*key, name, [prefix + m for m in members])
+    if best is None:
+        return None
+    return best[3], best[4]
+
+
+def _owners(module: nn.Module, prefix: str = "") -> list[str]:
+    """FQNs of the modules in ``module``'s subtree that hold parameters directly."""
+    return [
+        f"{prefix}{name}" if name else prefix.rstrip(".")
+        for name, m in module.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
+
+
+def _covering_modules(model: nn.Module, owners: set[str]) -> list[str]:
+    """The fewest module FQNs, in module order, covering exactly the parameter-holding
+    modules ``owners``: a child is taken whole when every parameter-holding module in
+    its subtree is in ``owners``, and descended into when only some are."""
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            inside = set(_owners(child, fqn + "."))
+            if not inside:
+                continue
+            if inside <= owners:
+                out.append(fqn)
+            elif inside & owners:
+                visit(fqn + ".", child)
+
+    visit("", model)
+    return out
+
+
+def auto_plan(model: nn.Module) -> list[list[str]]:
+    """One bucket per repeated block, one for the modules before the blocks, one after.
+
+    "Before" and "after" follow module registration order (which for the usual
+    embed -> blocks -> norm -> head layout is also execution order). A module that
+    reuses a parameter of another (tied weights) gathers it again under its own name,
+    so it is placed by its own position. Parameters held directly by a module that
+    also contains the blocks (for example a positional embedding held as a bare
+    ``nn.Parameter`` on the root) cannot be named by a module FQN without overlapping
+    the blocks; they stay unbucketed and the schedule report lists them. A model
+    without repeated blocks gets one bucket per top-level child that has parameters.
+    """
+    found = find_repeated_blocks(model)
+    if found is None:
+        return [[name] for name, child in model.named_children() if next(child.parameters(), None) is not None]
+    _, blocks = found
+    ancestors = _ancestor_names(blocks)
+    before: set[str] = set()
+    after: set[str] = set()
+    seen_blocks = False
+    for name, module in model.named_modules():
+        if name == blocks[0]:
+            seen_blocks = True
+        if name in ancestors or any(name == b or name.startswith(b + ".") for b in blocks):
+            continue
+        if next(module.parameters(recurse=False), None) is not None:
+            (after if seen_blocks else before).add(name)
+    plan: list[list[str]] = []
+    head = _covering_modules(model, before)
+    if head:
+        plan.append(head)
+    plan.extend([b] for b in blocks)
+    tail = _covering_modules(model, after)
+    if tail:
+        plan.append(tail)
+    check_disjoint(plan)
+    return plan
+
+
+def _ancestor_names(fqns: list[str]) -> set[str]:
+    out = {""}
+    for fqn in fqns:
+        parts = fqn.split(".")
+        for i in range(1, len(parts)):
+            out.add(".".join(parts[:i]))
+    return out

@@ -1,0 +1,232 @@
+"""Compile-visible FSDP2 sharding, and the eager ``fully_shard`` fallback.
+
+Compile-visible layout (the SimpleFSDP approach, arXiv 2411.00284):
+
+* every parameter becomes ``nn.Parameter(DTensor)`` with ``Shard(0)`` on the data-parallel
+  mesh (``(Replicate(), Shard(0))`` on an HSDP mesh), exactly FSDP2's layout, so
+  ``state_dict()`` and distributed checkpoints interoperate with ``fully_shard``;
+* the module's class is swapped for a subclass whose parameter names are properties;
+  reading ``self.weight`` inside ``forward`` redistributes the shard to ``Replicate()``
+  (an all-gather that Dynamo *traces*) and returns a plain tensor whose gradient is
+  ``Partial("avg")``, which autograd turns into a reduce-scatter (plus an all-reduce
+  across replicas on HSDP) in the backward graph;
+* ``state_dict()``/``named_parameters()`` read ``module._parameters`` directly, so they
+  see the sharded DTensors and never trigger a gather.
+
+Tied parameters stay one parameter: the shared ``nn.Parameter`` is sharded once and the
+same object is re-registered in every module that used it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from .config import OverlapConfig, OverlapConfigError
+from .plan import expand_pattern
+
+__all__ = [
+    "apply_activation_checkpointing",
+    "build_mesh",
+    "fully_shard_plan",
+    "gather_disabled",
+    "is_sharded",
+    "materialize",
+    "shard_parameters",
+    "SHARD_DIM_NAME",
+    "REPLICATE_DIM_NAME",
+]
+
+SHARD_DIM_NAME = "shard"
+REPLICATE_DIM_NAME = "replicate"
+_CLASS_PREFIX = "FSDPOverlap"
+
+# A plain module global (not thread-local): Dynamo guards on it like any global.
+_GATHER_ENABLED = True
+
+
+@contextlib.contextmanager
+def gather_disabled() -> Iterator[None]:
+    """Inside this block, ``module.weight`` returns the sharded DTensor itself (no
+    collective). Use it to initialise or inspect parameters after sharding."""
+    global _GATHER_ENABLED
+    previous = _GATHER_ENABLED
+    _GATHER_ENABLED = False
+    try:
+        yield
+    finally:
+        _GATHER_ENABLED = previous
+
+
+def build_mesh(config: OverlapConfig, device_type: str) -> DeviceMesh:
+    """The data-parallel mesh over all ranks of the default group: 1-D ``(shard,)``, or
+    2-D ``(replicate, shard)`` for HSDP."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fsdp-overlap needs an initialised default process group "
+            "(torch.distributed.init_process_group, torchrun, Lightning or Accelerate do this)."
+        )
+    world = dist.get_world_size()
+    replicate, shard = config.mesh.sizes(world)
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD_DIM_NAME,))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE_DIM_NAME, SHARD_DIM_NAME))
+
+
+class _Gather:
+    """Turns a sharded parameter into the full tensor the module computes with.
+
+    Forward: cast to ``param_dtype`` then all-gather (so the collective moves the
+    smaller dtype). Backward: cast the gradient to ``reduce_dtype``, then reduce-scatter
+    with averaging over the shard group (and all-reduce over replicas on HSDP).
+    """
+
+    def __init__(self, mesh: DeviceMesh, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        self.mesh = mesh
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.compute = tuple(Replicate() for _ in range(mesh.ndim))
+        self.grad = tuple(Partial("avg") for _ in range(mesh.ndim))
+
+    def __call__(self, param: torch.Tensor) -> torch.Tensor:
+        if not _GATHER_ENABLED or not isinstance(param, DTensor):
+            return param
+        full = param.redistribute(
+            placements=self.compute,
+            forward_dtype=self.param_dtype,
+            backward_dtype=self.reduce_dtype,
+        )
+        return full.to_local(grad_placements=self.grad)
+
+
+@functools.cache
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    """A subclass of ``cls`` whose parameters ``names`` are gathering properties."""
+
+    def getter(name: str):
+        def get(self: nn.Module) -> torch.Tensor:
+            return self._fsdp_overlap_gather(self._parameters[name])
+
+        return property(get)
+
+    attrs = {name: getter(name) for name in names}
+    attrs["__module__"] = cls.__module__
+    return type(f"{_CLASS_PREFIX}{cls.__name__}", (cls,), attrs)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True if ``parallelize`` (compile path) already sharded this module tree."""
+    return any(type(m).__name__.startswith(_CLASS_PREFIX) for m in model.modules())
+
+
+def _placements(mesh: DeviceMesh, param: torch.Tensor) -> tuple:
+    # 0-dim parameters cannot be split; they stay replicated and their gradient is
+    # all-reduced (Partial -> Replicate), as FSDP2 does not shard them either.
+    if param.dim() == 0:
+        return tuple(Replicate() for _ in range(mesh.ndim))
+    if mesh.ndim == 1:
+        return (Shard(0),)
+    return (Replicate(), Shard(0))
+
+
+def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) -> nn.Module:
+    """Shard every parameter of ``model`` in place and install the traced gathers.
+
+    Each rank keeps only its ``Shard(0)`` chunk (``torch.chunk`` semantics, padded
+    on the last ranks as FSDP2 does); no data is exchanged, so every rank must start
+    from the same values (same seed, or meta-device init followed by ``materialize``).
+    """
+    if is_sharded(model):
+        raise RuntimeError("this model is already sharded by fsdp-overlap; call parallelize() once.")
+    gather = _Gather(mesh, config.torch_param_dtype, config.torch_reduce_dtype)
+    replaced: dict[int, nn.Parameter] = {}
+    for module in list(model.modules()):
+        names = tuple(name for name, p in module._parameters.items() if p is not None)
+        if not names:
+            continue
+        for name in names:
+            param = module._parameters[name]
+            if isinstance(param, DTensor):
+                raise OverlapConfigError(
+                    f"parameter {type(module).__name__}.{name} is already a DTensor; fsdp-overlap "
+                    "shards plain parameters (tensor parallelism is not supported yet)."
+                )
+            new = replaced.get(id(param))
+            if new is None:
+                data = distribute_tensor(param.detach(), mesh, _placements(mesh, param), src_data_rank=None)
+                new = nn.Parameter(data, requires_grad=param.requires_grad)
+                replaced[id(param)] = new
+            module._parameters[name] = new
+        module.__class__ = _sharded_class(type(module), names)
+        module._fsdp_overlap_gather = gather
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device | str, *, init: bool = True) -> nn.Module:
+    """Allocate a meta-device model's sharded parameters on ``device`` and initialise them
+    by calling each module's ``reset_parameters()`` on its shards, innermost modules
+    first, so a parent's own initialisation (GPT-style scaled init) has the last word."""
+    model.to_empty(device=device)
+    if init:
+        with gather_disabled(), torch.no_grad():
+            for module in reversed(list(model.modules())):
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Recompute the forward of the modules named by ``patterns`` in backward.
+
+    The module tree is left as it is (no wrapper module), so FQNs, plans and state-dict
+    keys do not change: the module's ``forward`` is replaced on the instance by one that
+    runs the original under ``torch.utils.checkpoint``.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    chosen: list[str] = []
+    for i, pattern in enumerate(patterns):
+        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
+        if not found or found[0] not in set(names):
+            from .config import suggest
+
+            raise OverlapConfigError(
+                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
+            )
+        chosen.extend(f for f in found if f not in chosen)
+    for fqn in chosen:
+        module = model.get_submodule(fqn)
+        original = module.forward
+
+        def checkpointed(*args, _original=original, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False, **kwargs)
+
+        module.forward = checkpointed
+    return chosen
+
+
+def fully_shard_plan(model: nn.Module, mesh: DeviceMesh, plan: list[list[str]], config: OverlapConfig) -> nn.Module:
+    """The eager fallback (``compile: false``): FSDP2 ``fully_shard`` per plan entry, then
+    the root. Same parameter layout as the compiled path, no passes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=config.torch_param_dtype, reduce_dtype=config.torch_reduce_dtype)
+    for entry in plan:
+        modules = [model.get_submodule(fqn) for fqn in entry]
+        if not any(True for m in modules for _ in m.parameters()):
+            continue
+        fully_shard(
+            modules if len(modules) > 1 else modules[0],
+            mesh=mesh,
+            reshard_after_forward=config.reshard_after_forward,
+            mp_policy=mp,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model

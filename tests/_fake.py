@@ -1,0 +1,48 @@
+"""Single-process graph tests: a fake process group of any world size, and a hook that
+keeps a copy of each compiled graph before and after our passes."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_overlap_plugin.compile as fo_compile
+
+
+@contextlib.contextmanager
+def fake_world(world: int = 2) -> Iterator[None]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+class GraphCapture:
+    """Monkeypatches ``compile.run_passes`` to keep ``(kind, before, after)`` graph copies."""
+
+    def __init__(self, monkeypatch):
+        self.graphs: list[tuple[str, torch.fx.GraphModule, torch.fx.GraphModule]] = []
+        original = fo_compile.run_passes
+
+        def capturing(gm, kind, state):
+            before = copy.deepcopy(gm)
+            record = original(gm, kind, state)
+            self.graphs.append((kind, before, copy.deepcopy(gm)))
+            return record
+
+        monkeypatch.setattr(fo_compile, "run_passes", capturing)
+
+    def get(self, kind: str, which: str = "before") -> torch.fx.GraphModule:
+        for k, before, after in self.graphs:
+            if k == kind:
+                return before if which == "before" else after
+        raise KeyError(f"no {kind} graph captured; got {[k for k, _, _ in self.graphs]}")

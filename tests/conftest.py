@@ -1,0 +1,16 @@
+"""Test-session setup: a private inductor cache so every run compiles (and runs the
+passes) from scratch, unless FSDP_OVERLAP_TEST_CACHE names a cache to reuse."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("FSDP_OVERLAP_TEST_CACHE") or tempfile.mkdtemp(
+        prefix="fsdp_overlap_inductor_"
+    )

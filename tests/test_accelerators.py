@@ -1,0 +1,81 @@
+"""One place decides device and backend; NPU decisions checked with a fake torch_npu."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from _dist import run_isolated
+
+from fsdp_overlap_plugin import accelerators
+
+
+def test_backend_map():
+    assert accelerators.backend_for("cuda") == "nccl"
+    assert accelerators.backend_for("npu") == "hccl"
+    assert accelerators.backend_for("cpu") == "gloo"
+    with pytest.raises(ValueError, match="valid: cuda, npu, cpu"):
+        accelerators.backend_for("tpu")
+
+
+def test_cpu_machine_detects_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails
+    assert accelerators.detect_device_type() == "cpu"
+    info = accelerators.current()
+    assert (info.device_type, info.backend, info.device) == ("cpu", "gloo", torch.device("cpu"))
+
+
+def test_requested_but_missing_device_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="'cuda' was requested but is not available"):
+        accelerators.detect_device_type("cuda")
+
+
+class FakeNPU(types.ModuleType):
+    """Just enough of torch.npu for the decisions: availability, count, current device."""
+
+    def __init__(self, count: int):
+        super().__init__("torch.npu")
+        self.count = count
+        self.current = None
+
+    def is_available(self):
+        return self.count > 0
+
+    def device_count(self):
+        return self.count
+
+    def set_device(self, device):
+        self.current = device
+
+
+def install_fake_torch_npu(count: int = 4) -> FakeNPU:
+    """What importing the real torch_npu does, in miniature: name the PrivateUse1 device
+    "npu" (irreversible, hence only in an isolated process) and provide ``torch.npu``."""
+    torch.utils.rename_privateuse1_backend("npu")
+    npu = FakeNPU(count)
+    sys.modules["torch_npu"] = types.ModuleType("torch_npu")
+    torch.npu = npu
+    torch.cuda.is_available = lambda: False
+    return npu
+
+
+def _npu_decisions() -> dict:
+    import os
+
+    npu = install_fake_torch_npu(count=4)
+    os.environ["LOCAL_RANK"] = "5"
+    info = accelerators.current()
+    accelerators.set_device(info.device)
+    chosen = (info.device_type, info.backend, str(info.device), str(npu.current))
+    npu.count = 0
+    return {"chosen": chosen, "without_devices": accelerators.detect_device_type()}
+
+
+def test_npu_selects_hccl_and_device_per_local_rank():
+    result = run_isolated(_npu_decisions)
+    assert result["chosen"] == ("npu", "hccl", "npu:1", "npu:1")  # local rank 5 % 4 devices
+    assert result["without_devices"] == "cpu"

@@ -1,0 +1,150 @@
+"""Two real gloo ranks: the sharded, compiled model trains exactly like one process.
+
+Each test spawns one 2-rank job that runs several scenarios, to pay process start-up
+and imports once. The single-process reference runs inside rank 0 on the same data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch._dynamo
+from _dist import run_ranks
+from _train import full_params, make_model, train_reference, train_sharded
+
+import fsdp_overlap_plugin as fo
+
+pytestmark = pytest.mark.slow
+
+
+def _run(rank: int, world: int, model_kwargs: dict | None = None, **config) -> dict:
+    torch._dynamo.reset()
+    model = make_model(**(model_kwargs or {}))
+    ref_losses, ref_params = train_reference(model) if rank == 0 else (None, None)
+    fo.parallelize(model, **config)
+    losses = train_sharded(model, rank, world)
+    params = full_params(model)
+    report = fo.schedule_report(model)
+    return {"losses": losses, "params": params, "ref_losses": ref_losses, "ref_params": ref_params, "report": report}
+
+
+def _close(result: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert len(result["losses"]) == len(result["ref_losses"]) == 5
+    for got, want in zip(result["losses"], result["ref_losses"]):
+        assert math.isclose(got, want, rel_tol=rtol, abs_tol=atol), (result["losses"], result["ref_losses"])
+    for name, want in result["ref_params"].items():
+        torch.testing.assert_close(result["params"][name], want, rtol=rtol, atol=atol, msg=name)
+
+
+def _dcp_roundtrip(rank: int, world: int, path: str) -> dict:
+    """compiled -> DCP -> eager fully_shard -> DCP -> compiled, values identical each way."""
+    import torch.distributed.checkpoint as dcp
+
+    torch._dynamo.reset()
+    a = fo.parallelize(make_model(seed=0), backend="aot_eager")
+    train_sharded(a, rank, world, steps=2)
+    dcp.save(a.state_dict(), checkpoint_id=f"{path}/compiled")
+    b = fo.parallelize(make_model(seed=1), compile=False)
+    state = b.state_dict()
+    dcp.load(state, checkpoint_id=f"{path}/compiled")
+    b.load_state_dict(state)
+    a_to_b = full_params(a), full_params(b)
+    train_sharded(b, rank, world, steps=1)
+    dcp.save(b.state_dict(), checkpoint_id=f"{path}/eager")
+    torch._dynamo.reset()
+    c = fo.parallelize(make_model(seed=2), backend="aot_eager")
+    state = c.state_dict()
+    dcp.load(state, checkpoint_id=f"{path}/eager")
+    c.load_state_dict(state)
+    b_to_c = full_params(b), full_params(c)
+    c_losses = train_sharded(c, rank, world, steps=1)  # and it still trains after loading
+    return {"a_to_b": a_to_b, "b_to_c": b_to_c, "c_losses": c_losses}
+
+
+def _aot_eager_scenarios(rank: int, world: int, path: str) -> dict:
+    return {
+        "dcp": _dcp_roundtrip(rank, world, path),
+        "fp32": _run(rank, world, backend="aot_eager"),
+        "no_reshard": _run(rank, world, backend="aot_eager", reshard_after_forward=False),
+        "eager_fully_shard": _run(rank, world, compile=False),
+        "hsdp": _run(rank, world, backend="aot_eager", mesh={"replicate": 2, "shard": 1}),
+        "tied": _run(rank, world, {"tie_weights": True, "vocab_size": 255}, backend="aot_eager"),
+        "bf16": _bf16(rank, world),
+    }
+
+
+def _bf16(rank: int, world: int) -> dict:
+    torch._dynamo.reset()
+    model = make_model()
+    fo.parallelize(model, backend="aot_eager", param_dtype="bf16", reduce_dtype="fp32")
+    losses = train_sharded(model, rank, world, steps=8, lr=0.5, same_batch=True)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    return {"losses": losses, "dtypes": dtypes}
+
+
+@pytest.fixture(scope="module")
+def aot_eager_results(tmp_path_factory) -> dict:
+    return run_ranks(_aot_eager_scenarios, str(tmp_path_factory.mktemp("dcp")))[0]
+
+
+def test_aot_eager_matches_single_process(aot_eager_results):
+    _close(aot_eager_results["fp32"])
+    report = aot_eager_results["fp32"]["report"]
+    assert report["forward"]["before"]["all_gather"] == 53  # one per parameter
+    assert report["backward"]["before"]["reduce_scatter"] == 53
+
+
+def test_without_reshard_matches_and_backward_has_no_all_gathers(aot_eager_results):
+    _close(aot_eager_results["no_reshard"])
+    assert aot_eager_results["no_reshard"]["report"]["backward"]["before"]["all_gather"] == 0
+    assert aot_eager_results["fp32"]["report"]["backward"]["before"]["all_gather"] > 0
+
+
+def test_eager_fully_shard_fallback_matches(aot_eager_results):
+    result = aot_eager_results["eager_fully_shard"]
+    _close(result)
+    assert result["report"]["mode"] == "eager fully_shard"
+
+
+def test_hsdp_replicate_2_shard_1_matches(aot_eager_results):
+    result = aot_eager_results["hsdp"]
+    _close(result)
+    assert result["report"]["mesh"] == [2, 1]
+    assert result["report"]["backward"]["before"]["all_reduce"] == 53  # across replicas
+
+
+def test_tied_weights_stay_one_parameter(aot_eager_results):
+    result = aot_eager_results["tied"]
+    _close(result)
+    assert "head.weight" in result["params"] and "tok_emb.weight" in result["params"]
+    torch.testing.assert_close(result["params"]["head.weight"], result["params"]["tok_emb.weight"])
+
+
+def test_bf16_params_fp32_reduce_trains(aot_eager_results):
+    result = aot_eager_results["bf16"]
+    losses = result["losses"]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert set(result["dtypes"].values()) == {torch.float32}  # master weights stay fp32
+
+
+def test_dcp_checkpoint_interoperates_with_eager_fully_shard(aot_eager_results):
+    result = aot_eager_results["dcp"]
+    for pair in ("a_to_b", "b_to_c"):
+        src, dst = result[pair]
+        assert src.keys() == dst.keys()
+        for name in src:
+            assert torch.equal(src[name], dst[name]), (pair, name)
+    assert math.isfinite(result["c_losses"][0])
+
+
+def _inductor_scenarios(rank: int, world: int) -> dict:
+    return {"fp32": _run(rank, world, backend="inductor")}
+
+
+def test_inductor_matches_single_process():
+    result = run_ranks(_inductor_scenarios)[0]["fp32"]
+    _close(result)
+    assert result["report"]["forward"]["before"]["all_gather"] == 53
