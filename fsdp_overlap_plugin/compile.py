@@ -74,6 +74,11 @@ class OverlapState:
         """Identifies everything that changes what the passes do to a graph."""
         return _pass_uuid(self)
 
+    @property
+    def passes_on(self) -> bool:
+        """Whether any post-grad pass has work to do."""
+        return self.config.manual_bucketing or self.config.overlap_grad_reduce or self.gather_group is not None
+
 
 def get_state(model: nn.Module) -> OverlapState | None:
     """The ``OverlapState`` that ``parallelize`` attached to ``model``, if any."""
@@ -99,6 +104,7 @@ def _pass_uuid(state: OverlapState) -> str:
         "model": state.model_fingerprint,
         "world": state.world_size,
         "mesh": list(state.mesh_shape),
+        "gather_group": state.gather_group,
         "source": _SOURCE_DIGEST,
         "torch": torch.__version__,
     }
@@ -118,26 +124,27 @@ def model_fingerprint(model: nn.Module) -> str:
 # --------------------------------------------------------------------------- passes
 def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState) -> dict:
     """Run the configured passes on one compiled graph and record what they did."""
-    from .report import save_record
+    from .report import graph_events, save_record, summarize_pass
 
     config = state.config
     record: dict[str, Any] = {"graph": kind, "before": collective_counts(gm.graph), "passes": {}}
+    events_before = graph_events(gm.graph, state.plan)
+    if state.gather_group is not None:
+        record["passes"]["gather_group"] = {"moved": passes.use_gather_group(gm, state.gather_group)}
     if config.manual_bucketing:
-        passes.manual_bucketing(
-            gm,
-            state.plan,
-            insert_overlap_deps=False,
-            separate_gather_group=state.gather_group,
-        )
+        passes.manual_bucketing(gm, state.plan, recompile=False)
         record["passes"]["manual_bucketing"] = gm.meta.get("fsdp_overlap", {}).get("manual_bucketing", {})
     if config.overlap_grad_reduce and kind == "backward":
-        passes.overlap_grad_reduce(gm)
+        passes.overlap_grad_reduce(gm, recompile=False)
         record["passes"]["overlap_grad_reduce"] = gm.meta.get("fsdp_overlap", {}).get("overlap_grad_reduce", {})
     if config.backend == "inductor" and (config.manual_bucketing or config.overlap_grad_reduce):
-        record["passes"]["pin_order"] = passes.pin_collective_order(gm)
+        # after every reordering: turn the final order into dependencies inductor keeps
+        record["passes"]["pin_order"] = passes.pin_collective_order(gm, recompile=False)
+    gm.recompile()  # once, after all passes (the passes were told not to)
     record["after"] = collective_counts(gm.graph)
     record["nodes"] = len(gm.graph.nodes)
-    gm.graph.lint()
+    gm.graph.lint()  # once, after every pass, instead of inside each
+    record["schedule"] = {"before": events_before, "after": graph_events(gm.graph, state.plan)}
     state.records.append(record)
     save_record(state.uuid(), record)
     log.info(
@@ -147,15 +154,9 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState) -> dict:
         record["after"]["all_gather"],
         record["before"]["reduce_scatter"],
         record["after"]["reduce_scatter"],
-        ", ".join(f"{name}: {_short(stats)}" for name, stats in record["passes"].items()) or "no passes",
+        ", ".join(summarize_pass(name, stats) for name, stats in record["passes"].items()) or "no passes",
     )
     return record
-
-
-def _short(stats: Any) -> str:
-    if not isinstance(stats, dict):
-        return str(stats)
-    return " ".join(f"{k}={v}" for k, v in stats.items() if isinstance(v, (int, float, str)))
 
 
 def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
@@ -209,7 +210,7 @@ def inductor_options(state: OverlapState) -> dict[str, Any]:
     options: dict[str, Any] = {
         "joint_custom_post_pass": _chain(inductor_config.joint_custom_post_pass, ReshardJointPass(state)),
     }
-    if state.config.manual_bucketing or state.config.overlap_grad_reduce:
+    if state.passes_on:
         options["post_grad_custom_post_pass"] = _chain(
             inductor_config.post_grad_custom_post_pass, OverlapGraphPass(state)
         )
@@ -225,9 +226,8 @@ def aot_eager_backend(state: OverlapState):
 
     def compiler(kind: str):
         def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Any:
-            if state.config.manual_bucketing or state.config.overlap_grad_reduce:
+            if state.passes_on:
                 run_passes(gm, kind, state)
-                gm.recompile()
             return make_boxed_func(gm.forward)
 
         return compile_graph

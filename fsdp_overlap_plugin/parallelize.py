@@ -11,7 +11,13 @@ from .compile import _STATE_ATTR, OverlapState, compile_model, model_fingerprint
 from .config import OverlapConfig, OverlapConfigError
 from .passes.plan_index import BucketIndex
 from .plan import resolve_plan
-from .sharding import apply_activation_checkpointing, build_mesh, fully_shard_plan, shard_parameters
+from .sharding import (
+    apply_activation_checkpointing,
+    build_gather_group,
+    build_mesh,
+    fully_shard_plan,
+    shard_parameters,
+)
 
 __all__ = ["parallelize", "unbucketed_parameters"]
 
@@ -75,11 +81,22 @@ def parallelize(
         apply_activation_checkpointing(model, config.activation_checkpointing)
     if config.compile:
         shard_parameters(model, mesh, config)
+        if _separate_gather_group(config, device_type):
+            state.gather_group = build_gather_group(mesh)
         compile_model(model, state)
     else:
         fully_shard_plan(model, mesh, plan, config)
     setattr(model, _STATE_ATTR, state)
     return model
+
+
+def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
+    """On by default where one communicator runs its collectives in issue order on one
+    stream (nccl, hccl); off for gloo, whose groups already run collectives on worker
+    threads and where a second connection only splits the link."""
+    if config.separate_gather_group is not None:
+        return config.separate_gather_group
+    return accelerators.backend_for(device_type) in ("nccl", "hccl")
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -130,20 +130,32 @@ def resolve_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -
 
 
 def check_disjoint(buckets: list[list[str]]) -> None:
-    """Raise if two buckets share a module (the same FQN, or one inside the other)."""
+    """Raise if two buckets share a module (the same FQN, or one inside the other).
+
+    O(entries x depth): every FQN's ancestors are looked up in the owner map, so an
+    entry inside another one is found from the inner side.
+    """
     owner: dict[str, int] = {}
     for i, bucket in enumerate(buckets):
         for fqn in bucket:
-            for other, j in owner.items():
-                if j == i:
-                    continue
-                if fqn == other or fqn.startswith(other + ".") or other.startswith(fqn + "."):
-                    raise OverlapConfigError(
-                        f"bucket_plans: entries {j} and {i} overlap: {other!r} and {fqn!r} share "
-                        f"modules. Each module may belong to one bucket only."
-                    )
-        for fqn in bucket:
-            owner.setdefault(fqn, i)
+            j = owner.get(fqn)
+            if j is not None and j != i:
+                _overlap(j, i, fqn, fqn)
+            owner[fqn] = i
+    for fqn, i in owner.items():
+        parts = fqn.split(".")
+        for k in range(1, len(parts)):
+            ancestor = ".".join(parts[:k])
+            j = owner.get(ancestor)
+            if j is not None and j != i:
+                _overlap(min(i, j), max(i, j), ancestor, fqn)
+
+
+def _overlap(first: int, second: int, a: str, b: str) -> None:
+    raise OverlapConfigError(
+        f"bucket_plans: entries {first} and {second} overlap: {a!r} and {b!r} share "
+        f"modules. Each module may belong to one bucket only."
+    )
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[str, list[str]] | None:

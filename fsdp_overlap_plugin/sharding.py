@@ -34,6 +34,7 @@ from .plan import expand_pattern
 
 __all__ = [
     "apply_activation_checkpointing",
+    "build_gather_group",
     "build_mesh",
     "fully_shard_plan",
     "gather_disabled",
@@ -78,6 +79,16 @@ def build_mesh(config: OverlapConfig, device_type: str) -> DeviceMesh:
     if replicate == 1:
         return init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD_DIM_NAME,))
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE_DIM_NAME, SHARD_DIM_NAME))
+
+
+def build_gather_group(mesh: DeviceMesh) -> str:
+    """A second communicator over the same ranks as this rank's shard group, for the
+    parameter all-gathers; returns its group name. Every rank creates every such group
+    in the same order (``new_subgroups_by_enumeration``), as process groups require."""
+    shard_groups = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+    backend = dist.get_backend(mesh.get_group(mesh.ndim - 1))
+    mine, _ = dist.new_subgroups_by_enumeration(shard_groups, backend=backend)
+    return mine.group_name
 
 
 class _Gather:

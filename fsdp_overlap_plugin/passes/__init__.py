@@ -3,12 +3,13 @@
 * ``annotate_reshard``      joint graph: reshard-after-forward recompute tags per bucket
 * ``manual_bucketing``      merge each plan entry's collectives, prefetch one bucket ahead
 * ``overlap_grad_reduce``   launch gradient reduce-scatters early, sink their waits
+* ``use_gather_group``      run FSDP all-gathers on their own process group
 * ``pin_collective_order``  (inductor) make the chosen order survive code generation
 """
 
-from .bucketing import manual_bucketing
+from .bucketing import manual_bucketing, use_gather_group
 from .grad_overlap import overlap_grad_reduce
 from .pin import pin_collective_order
 from .reshard import annotate_reshard
 
-__all__ = ["annotate_reshard", "manual_bucketing", "overlap_grad_reduce", "pin_collective_order"]
+__all__ = ["annotate_reshard", "manual_bucketing", "overlap_grad_reduce", "pin_collective_order", "use_gather_group"]

@@ -1,12 +1,326 @@
-"""Manual bucketing per plan (not implemented yet: the graph is returned unchanged)."""
+"""Manual bucketing: one collective per plan entry, prefetched one bucket ahead.
+
+Per plan entry (bucket), the FSDP all-gathers are merged into one all-gather and the
+gradient reduce-scatters into one reduce-scatter, per (process group, size, dtype[, op]).
+Then the schedule is set by bucket, in the order the graph consumes them.
+
+Forward (all-gathers only), before and after::
+
+    ag_0 -> wait_0 -> compute_0 -> ag_1 -> wait_1 -> compute_1 -> ag_2 -> wait_2 -> ...
+    ag_0 -> ag_1 -> wait_0 -> compute_0 -> ag_2 -> wait_1 -> compute_1 -> ag_3 -> ...
+
+    bucket i+1's all-gather launches just before bucket i's wait, so it runs while
+    bucket i computes; at most two buckets of unsharded parameters are alive.
+
+Backward (buckets in reverse; all-gathers exist when parameters were resharded)::
+
+    ag_N -> wait_N -> compute_N -> rs_N -> wait_rs_N -> ag_N-1 -> wait_N-1 -> compute_N-1 -> rs_N-1 ...
+    ag_N -> ag_N-1 -> wait_N -> compute_N -> ag_N-2 -> rs_N -> wait_N-1 -> compute_N-1 -> rs_N-1 -> wait_rs_N ...
+
+    the previous bucket's all-gather is prefetched the same way; reduce-scatter N's wait
+    is deferred until reduce-scatter N-1 has launched; and where an all-gather and a
+    reduce-scatter are ready at the same point, the all-gather (which the next compute
+    needs) is issued first: NCCL/HCCL run one communicator's collectives in issue order.
+
+Collectives of modules no plan entry covers are left exactly where they are and
+counted in the statistics. The pass never looks at tensor values or ranks, so every
+rank makes the same graph. Statistics go to ``gm.meta["fsdp_overlap"]["manual_bucketing"]``.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch.fx as fx
+
+from ..plan import check_disjoint
+from .graph import (
+    is_fsdp_all_gather,
+    is_fsdp_reduce_scatter,
+    is_preparation_op,
+    is_reduce_scatter,
+    is_view,
+    is_wait,
+    module_path,
+    wait_of,
+)
+from .merge import Retired, bucket_key, graph_fake_mode, merge_all_gathers, merge_reduce_scatters
+from .order import Positions, repair_order
+from .plan_index import BucketIndex
+
+__all__ = ["manual_bucketing", "use_gather_group"]
+
+
+class _Unit:
+    """One launch of a bucket after merging: the collective, its wait, and the nodes
+    that must travel with the wait (views of the waited result)."""
+
+    def __init__(self, bucket: int, start: fx.Node, wait: fx.Node):
+        self.bucket = bucket
+        self.start = start
+        self.wait = wait
+
+    def output_side(self) -> list[fx.Node]:
+        out, stack, seen = [self.wait], [self.wait], {self.wait}
+        while stack:
+            for user in stack.pop().users:
+                if user not in seen and (is_view(user) or _is_merge_output(user)):
+                    seen.add(user)
+                    out.append(user)
+                    stack.append(user)
+        return out
+
+
+def _is_merge_output(node: fx.Node) -> bool:
+    # the reshape copies a merged all-gather makes per parameter belong with its wait
+    return node.meta.get("fsdp_overlap_merge") == "output"
+
+
+def _normalize(plans: list) -> list[list[str]]:
+    return [[entry] if isinstance(entry, str) else list(entry) for entry in plans]
 
 
 def manual_bucketing(
-    gm: fx.GraphModule, module_bucket_plans: list, *, insert_overlap_deps: bool = False, separate_gather_group=None
+    gm: fx.GraphModule,
+    module_bucket_plans: list,
+    *,
+    insert_overlap_deps: bool = False,
+    recompile: bool = True,
 ) -> fx.GraphModule:
-    gm.meta.setdefault("fsdp_overlap", {})["manual_bucketing"] = {"implemented": False}
+    """Bucket and reorder the FSDP collectives of ``gm`` per ``module_bucket_plans``.
+
+    Args:
+        gm: a forward or backward graph (post-grad ATen, or the graph aot_eager runs).
+        module_bucket_plans: entries are a module FQN or a list of FQNs, relative to the
+            compiled root; entries must not share modules (``OverlapConfigError``).
+        insert_overlap_deps: wrap waits in ``control_deps`` so a later scheduler keeps the
+            prefetch order (for inductor; not needed when the graph runs as it is).
+        recompile: regenerate ``gm.forward`` (the compile wiring passes False and
+            recompiles once after all passes; inductor lowers the graph, not the code).
+    """
+    buckets = _normalize(module_bucket_plans)
+    check_disjoint(buckets)
+    index = BucketIndex(buckets)
+    graph = gm.graph
+    stats: dict = {
+        "all_gathers_before": 0,
+        "reduce_scatters_before": 0,
+        "merged_all_gathers": 0,
+        "merged_reduce_scatters": 0,
+        "prefetched": 0,
+        "deferred_rs_waits": 0,
+        "gathers_first": 0,
+        "unbucketed_all_gathers": 0,
+        "unbucketed_reduce_scatters": 0,
+    }
+    gather_groups: dict[tuple, list[fx.Node]] = {}
+    scatter_groups: dict[tuple, list[fx.Node]] = {}
+    unbucketed: Counter[str] = Counter()
+    for node in graph.nodes:
+        if is_fsdp_all_gather(node) and wait_of(node) is not None:
+            kind, groups = "all_gathers", gather_groups
+        elif is_fsdp_reduce_scatter(node) and wait_of(node) is not None:
+            kind, groups = "reduce_scatters", scatter_groups
+        else:
+            continue
+        stats[f"{kind}_before"] += 1
+        path = module_path(node)
+        bucket = index.bucket_of(path)
+        if bucket is None:
+            stats[f"unbucketed_{kind}"] += 1
+            unbucketed[path or "<no module>"] += 1
+            continue
+        groups.setdefault((bucket, *bucket_key(node)), []).append(node)
+
+    fake_mode = graph_fake_mode(graph)
+    retired = Retired()
+    gather_units = _merge(graph, gather_groups, merge_all_gathers, fake_mode, retired, stats, "merged_all_gathers")
+    scatter_units = _merge(
+        graph, scatter_groups, merge_reduce_scatters, fake_mode, retired, stats, "merged_reduce_scatters"
+    )
+    rewired_scatter_users = retired.rewired
+    retired.finish(graph)
+    if rewired_scatter_users:
+        # a merged reduce-scatter launches at its last gradient: users of an earlier
+        # member's result other than the graph output (an HSDP all-reduce, a branch)
+        # must move after it
+        repair_order(graph)
+
+    pos = Positions(graph)
+    deps: dict[fx.Node, list[fx.Node]] = {}
+    _place_gather_waits(gather_units, pos)
+    stats["prefetched"] = _prefetch(gather_units, pos, deps)
+    stats["deferred_rs_waits"], reordered = _defer_scatter_waits(scatter_units, pos, deps)
+    stats["gathers_first"] = _gathers_before_scatters(gather_units, pos)
+    if reordered:
+        repair_order(graph)
+    if insert_overlap_deps and deps:
+        _insert_deps(graph, deps)
+    if recompile:
+        gm.recompile()
+
+    stats["buckets"] = len({u.bucket for u in gather_units + scatter_units})
+    stats["all_gathers_after"] = stats["all_gathers_before"] - sum(len(v) - 1 for v in gather_groups.values())
+    stats["reduce_scatters_after"] = stats["reduce_scatters_before"] - sum(len(v) - 1 for v in scatter_groups.values())
+    stats["unbucketed_modules"] = sorted(unbucketed)
+    gm.meta.setdefault("fsdp_overlap", {})["manual_bucketing"] = stats
     return gm
+
+
+def _merge(graph, groups, merge_fn, fake_mode, retired, stats, counter) -> list[_Unit]:
+    units = []
+    for (bucket, *_), members in groups.items():
+        if len(members) == 1:
+            start = members[0]
+            start.meta["fsdp_overlap_bucket"] = bucket
+            units.append(_Unit(bucket, start, wait_of(start)))
+            continue
+        if is_fsdp_all_gather(members[0]):
+            # Parameter shards exist from the start: launch where the first member did,
+            # hoisting the other members' casts/padding there, so nothing that used an
+            # early member's result has to move.
+            anchor = members[0]
+            _hoist_inputs(members[1:], anchor)
+        else:
+            # A reduce-scatter needs every member's gradient: launch at the last one.
+            anchor = members[-1]
+        result = merge_fn(
+            graph,
+            members,
+            anchor=anchor,
+            extra_meta={"fsdp_overlap_bucket": bucket},
+            fake_mode=fake_mode,
+            retired=retired,
+        )
+        for node in result.outputs_side[1:]:
+            node.meta["fsdp_overlap_merge"] = "output"
+        stats[counter] += 1
+        units.append(_Unit(bucket, result.start, result.wait))
+    return units
+
+
+def _hoist_inputs(members: list[fx.Node], anchor: fx.Node) -> None:
+    """Move the (parameter-derived, computation-free) input chains of ``members`` to
+    just before ``anchor``, inputs before their users (post-order walk)."""
+    seen: set[fx.Node] = set()
+
+    def visit(node: fx.Node) -> None:
+        if node in seen or node.op in ("placeholder", "get_attr"):
+            return
+        seen.add(node)
+        for arg in node.all_input_nodes:
+            visit(arg)
+        anchor.prepend(node)
+
+    for member in members:
+        for arg in member.all_input_nodes:
+            visit(arg)
+
+
+def _place_gather_waits(units: list[_Unit], pos: Positions) -> None:
+    """Each all-gather wait (with the views of its result) goes just before the first
+    node that uses the gathered parameters, so no wait blocks earlier than needed."""
+    for unit in units:
+        side = unit.output_side()
+        members = set(side)
+        consumers = [u for n in side for u in n.users if u not in members]
+        if consumers:
+            pos.move_before(side, min(consumers, key=pos.__getitem__))
+
+
+def _prefetch(units: list[_Unit], pos: Positions, deps: dict) -> int:
+    """Launch unit i+1's all-gather just before unit i's wait (in consumption order).
+
+    The first unit launches at the top of the graph: in backward, the bucket computed
+    before it is the one the forward kept gathered, and its compute is what hides this
+    first re-gather.
+    """
+    order = sorted(units, key=lambda u: pos[u.wait])
+    moved = 0
+    if order:
+        inputs = pos.graph.find_nodes(op="placeholder")
+        if inputs:
+            last_input = inputs[-1]
+            first = order[0].start
+            if pos.move_after(pos.ancestors_after(first, pos[last_input]), last_input):
+                moved += 1
+    for current, nxt in zip(order, order[1:]):
+        if pos[nxt.start] < pos[current.wait]:
+            continue  # already launched early enough
+        chain = pos.ancestors_after(nxt.start, pos[current.wait])
+        if pos.move_before(chain, current.wait):
+            moved += 1
+        deps.setdefault(current.wait, []).append(nxt.start)
+    return moved
+
+
+def _defer_scatter_waits(units: list[_Unit], pos: Positions, deps: dict) -> tuple[int, bool]:
+    """Wait for reduce-scatter k only after reduce-scatter k+1 (next in launch order) has
+    launched, so consecutive reduce-scatters overlap each other and the compute between.
+    Returns how many waits moved, and whether a moved result has a consumer other than
+    the graph output (an HSDP all-reduce) that may now sit before it."""
+    order = sorted(units, key=lambda u: pos[u.start])
+    deferred = 0
+    reordered = False
+    for current, nxt in zip(order, order[1:]):
+        if pos[current.wait] > pos[nxt.start]:
+            continue
+        side = current.output_side()
+        if pos.move_after(side, nxt.start):
+            deferred += 1
+            members = set(side)
+            reordered |= any(u.op != "output" and u not in members for n in side for u in n.users)
+        deps.setdefault(current.wait, []).append(nxt.start)
+    return deferred, reordered
+
+
+def _gathers_before_scatters(units: list[_Unit], pos: Positions) -> int:
+    """Where an all-gather launch directly follows reduce-scatter launches (nothing but
+    their preparation, views and waits in between), issue the all-gather first."""
+    hoisted = 0
+    for unit in units:
+        cursor = unit.start.prev
+        earliest = None
+        while cursor.op not in ("root", "placeholder"):
+            if is_reduce_scatter(cursor):
+                earliest = cursor
+            elif not (is_view(cursor) or is_wait(cursor) or _feeds_only_scatters(cursor)):
+                break
+            cursor = cursor.prev
+        if earliest is None:
+            continue
+        # the reduce-scatter's own preparation nodes stay attached to it
+        target = earliest
+        while target.prev.op != "root" and _feeds_only_scatters(target.prev) and target.prev.op != "placeholder":
+            target = target.prev
+        chain = pos.ancestors_after(unit.start, pos[target])
+        if pos.move_before(chain, target):
+            hoisted += 1
+    return hoisted
+
+
+def _feeds_only_scatters(node: fx.Node) -> bool:
+    """A preparation node (layout only, no real compute) of reduce-scatter launches."""
+    if not is_preparation_op(node) or not node.users:
+        return False
+    return all(is_reduce_scatter(u) or _feeds_only_scatters(u) for u in node.users)
+
+
+def _insert_deps(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    preserve_node_ordering(graph, {wait: OrderedSet(starts) for wait, starts in deps.items()})
+
+
+def use_gather_group(gm: fx.GraphModule, group: str) -> int:
+    """Run every FSDP all-gather of ``gm`` on process group ``group`` (same ranks as the
+    shard group, its own communicator): on NCCL/HCCL a reduce-scatter issued earlier on
+    the shard group then cannot delay the next prefetch. Returns how many were moved.
+    Only arguments change; the caller recompiles ``gm`` if it runs its code."""
+    moved = 0
+    for node in gm.graph.nodes:
+        if is_fsdp_all_gather(node) and node.op == "call_function" and node.args[2] != group:
+            node.update_arg(2, group)
+            moved += 1
+    return moved

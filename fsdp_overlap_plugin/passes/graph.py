@@ -7,6 +7,7 @@ pass. Nothing here touches a process group or a tensor value.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections import Counter
@@ -18,6 +19,8 @@ import torch.fx as fx
 __all__ = [
     "C10D",
     "collective_counts",
+    "data_inputs",
+    "data_users",
     "collective_of_wait",
     "effective_target",
     "graph_kind",
@@ -29,6 +32,7 @@ __all__ = [
     "is_control_deps",
     "is_fsdp_all_gather",
     "is_fsdp_reduce_scatter",
+    "is_preparation_op",
     "is_reduce_scatter",
     "is_view",
     "is_wait",
@@ -74,9 +78,10 @@ def effective_target(node: fx.Node) -> Any:
     """The operation a node runs, looking through a ``control_deps`` wrapper."""
     if node.op != "call_function":
         return None
-    if is_control_deps(node):
+    target = node.target
+    if target is _CONTROL_DEPS and target is not None:
         return _wrapped_target(node)
-    return node.target
+    return target
 
 
 def node_args(node: fx.Node) -> tuple:
@@ -126,7 +131,7 @@ def collective_of_wait(wait: fx.Node) -> fx.Node | None:
 
 def wait_of(collective: fx.Node) -> fx.Node | None:
     """The single wait of a collective, or None if it has none or several."""
-    waits = [u for u in collective.users if is_wait(u)]
+    waits = [u for u in data_users(collective) if is_wait(u)]
     return waits[0] if len(waits) == 1 else None
 
 
@@ -156,6 +161,25 @@ def is_view(node: fx.Node) -> bool:
     return False
 
 
+_PREPARATION_OPS = {
+    torch.ops.aten.cat.default,
+    torch.ops.aten.constant_pad_nd.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.contiguous.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.prims.convert_element_type.default,
+    operator.getitem,
+}
+
+
+def is_preparation_op(node: fx.Node) -> bool:
+    """Data movement that only lays out a collective's input: views, padding,
+    concatenation (bucket copy-in), dtype casts, copies to contiguous memory."""
+    return node.op == "call_function" and (is_view(node) or node.target in _PREPARATION_OPS)
+
+
 def _mutates(target: Any) -> bool:
     schema = getattr(target, "_schema", None)
     if schema is None:
@@ -179,12 +203,26 @@ def is_barrier(node: fx.Node) -> bool:
     if is_control_deps(node):
         return True  # an order someone pinned on purpose
     target = node.target
-    if _mutates(target):
-        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return _overload_is_barrier(target)
+    if target is operator.getitem:
+        return False
     try:
-        return node.is_impure()
+        return node.is_impure(impure_random=False)
     except Exception:  # pragma: no cover - defensive: unknown targets are barriers
         return True
+
+
+@functools.cache
+def _overload_is_barrier(target: torch._ops.OpOverload) -> bool:
+    # For an ATen overload, mutation and side effects depend on the op alone (its
+    # schema and registrations), so decide once per op, not once per node. Random ops
+    # are not barriers: moving other nodes across them consumes no random numbers.
+    if _mutates(target):
+        return True
+    from torch._library.utils import is_impure
+
+    return bool(is_impure(target, args=(), kwargs={}, impure_random=False))
 
 
 _ROOT = re.compile(r"""^L\[(?:'[^']*'|"[^"]*")\]""")
@@ -217,51 +255,62 @@ def module_path(node: fx.Node) -> str | None:
     return clean_module_path(key)
 
 
-def _single_input_chain_to_placeholder(node: fx.Node, limit: int = 16) -> bool:
-    cur = node
-    for _ in range(limit):
-        inputs = cur.all_input_nodes
-        if cur.op == "placeholder":
-            return True
-        if len(inputs) != 1:
-            return False
-        cur = inputs[0]
-    return False
-
-
-def is_fsdp_all_gather(node: fx.Node) -> bool:
-    """An all-gather of a parameter shard: its input comes from a graph input through
-    single-input operations only (dtype casts, views)."""
-    if not is_all_gather(node):
-        return False
-    source = node_args(node)[0]
-    return isinstance(source, fx.Node) and _single_input_chain_to_placeholder(source)
-
-
-def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
-    """A gradient reduce-scatter: its result reaches the graph output through single-input
-    operations only (wait, casts, views, and on HSDP the replica all-reduce and its wait)."""
-    if not is_reduce_scatter(node):
-        return False
+def _built_from_inputs(node: fx.Node, limit: int = 4096) -> bool:
+    """True if ``node`` is made from graph inputs by layout-only operations (views,
+    casts, padding, concatenation): a parameter shard, or a bucket of them."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
         cur = stack.pop()
-        if cur in seen:
+        if cur in seen or cur.op == "placeholder":
             continue
+        if len(seen) >= limit or not is_preparation_op(cur):
+            return False
         seen.add(cur)
-        for user in cur.users:
-            if user.op == "output":
-                continue
-            data_inputs = (
-                [a for a in node_args(user) if isinstance(a, fx.Node)]
-                if is_control_deps(user)
-                else user.all_input_nodes
-            )
-            if len(data_inputs) != 1:
-                return False
-            stack.append(user)
+        stack.extend(data_inputs(cur))
     return True
+
+
+def is_fsdp_all_gather(node: fx.Node) -> bool:
+    """An all-gather of parameter shards: its input is built from graph inputs by
+    layout-only operations (a shard, its dtype cast or padding, or a bucket of shards).
+    A tensor-parallel all-gather of computed activations does not qualify."""
+    if not is_all_gather(node):
+        return False
+    source = node_args(node)[0]
+    return isinstance(source, fx.Node) and _built_from_inputs(source)
+
+
+def data_inputs(node: fx.Node) -> list[fx.Node]:
+    """Inputs a node computes with; a ``control_deps`` wrapper's ordering-only
+    dependencies are not among them."""
+    if is_control_deps(node):
+        return [a for a in node_args(node) if isinstance(a, fx.Node)]
+    return node.all_input_nodes
+
+
+def data_users(node: fx.Node) -> list[fx.Node]:
+    """Users that compute with ``node`` (not those that only wait for it to be ordered)."""
+    return [u for u in node.users if not is_control_deps(u) or node in data_inputs(u)]
+
+
+def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
+    """A gradient reduce-scatter: its reduced result is returned by the graph through
+    single-input operations (wait, views, casts, and on HSDP the replica all-reduce and
+    its wait). Other consumers may branch off on the way; a tensor-parallel
+    reduce-scatter, whose result only feeds further compute, does not qualify."""
+    if not is_reduce_scatter(node):
+        return False
+    seen = {node}
+    stack = [node]
+    while stack:
+        for user in data_users(stack.pop()):
+            if user.op == "output":
+                return True
+            if user not in seen and len(data_inputs(user)) == 1:
+                seen.add(user)
+                stack.append(user)
+    return False
 
 
 def graph_kind(graph: fx.Graph) -> str:

@@ -1,0 +1,339 @@
+"""The two overlap passes on FX graphs built without a process group.
+
+Hand-built graphs (``fsdp_overlap_plugin.testing``) pin down exact node orders; graphs
+traced from the GPT with a fake process group check the passes on what torch really
+produces. ``SimulatedRank`` runs graphs before and after a pass and the outputs must be
+bitwise identical (float64).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+
+from fsdp_overlap_plugin import OverlapConfigError
+from fsdp_overlap_plugin.passes import manual_bucketing, overlap_grad_reduce, pin_collective_order, use_gather_group
+from fsdp_overlap_plugin.passes.graph import (
+    C10D,
+    collective_of_wait,
+    effective_target,
+    is_all_gather,
+    is_collective,
+    is_control_deps,
+    is_reduce_scatter,
+    is_view,
+    is_wait,
+    module_path,
+)
+from fsdp_overlap_plugin.testing import (
+    GraphBuilder,
+    SimulatedRank,
+    fsdp_backward_graph,
+    fsdp_forward_graph,
+    random_inputs,
+)
+
+aten = torch.ops.aten
+PLAN = [f"blocks.{i}" for i in range(4)]
+
+
+def _tag(node: fx.Node) -> str:
+    bucket = node.meta.get("fsdp_overlap_bucket")
+    if bucket is None:
+        path = module_path(node) or ""
+        bucket = path.split(".")[1] if path.startswith("blocks.") else path
+    return str(bucket)
+
+
+def sequence(gm: fx.GraphModule) -> str:
+    """Collectives, waits and matmuls in graph order: AG<bucket>, RS<bucket>, W<bucket>
+    (all-gather wait), Wrs<bucket> (reduce-scatter wait), mm. Lints the graph first."""
+    gm.graph.lint()
+    out = []
+    for n in gm.graph.nodes:
+        if is_all_gather(n):
+            out.append(f"AG{_tag(n)}")
+        elif is_reduce_scatter(n):
+            out.append(f"RS{_tag(n)}")
+        elif is_wait(n):
+            coll = collective_of_wait(n)
+            out.append(("W" if is_all_gather(coll) else "Wrs") + _tag(coll))
+        elif n.target is aten.mm.default:
+            out.append("mm")
+    return " ".join(out)
+
+
+def simulate(gm: fx.GraphModule, inputs: list) -> list[torch.Tensor]:
+    return [o for o in SimulatedRank(gm, rank=1, world=2).run(*inputs) if isinstance(o, torch.Tensor)]
+
+
+def assert_same_outputs(before: fx.GraphModule, after: fx.GraphModule, seed: int = 0) -> None:
+    after.graph.lint()
+    inputs = random_inputs(before, seed=seed)
+    for got, want in zip(simulate(after, inputs), simulate(before, inputs), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """(name, operation) of every node that computes, seen through control_deps wrappers."""
+    return [
+        (n.name, str(effective_target(n)))
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and not (is_collective(n) or is_wait(n) or is_view(n))
+        and "fsdp_overlap_bucket" not in n.meta
+    ]
+
+
+# ------------------------------------------------------------------ manual bucketing
+def test_forward_buckets_and_prefetches_one_ahead():
+    gm = fsdp_forward_graph()
+    assert sequence(gm).count("AG") == 8
+    manual_bucketing(gm, PLAN)
+    assert sequence(gm) == "AG0 AG1 W0 mm mm AG2 W1 mm mm AG3 W2 mm mm W3 mm mm"
+    stats = gm.meta["fsdp_overlap"]["manual_bucketing"]
+    assert (stats["all_gathers_before"], stats["all_gathers_after"], stats["buckets"]) == (8, 4, 4)
+
+
+def test_backward_prefetches_and_defers_reduce_scatter_waits():
+    gm = fsdp_backward_graph()
+    manual_bucketing(gm, PLAN)
+    assert sequence(gm) == (
+        "AG3 mm AG2 W3 mm mm mm RS3 mm AG1 W2 mm mm mm RS2 Wrs3 mm AG0 W1 mm mm mm RS1 Wrs2 mm W0 mm mm mm RS0 Wrs1 Wrs0"
+    )
+    stats = gm.meta["fsdp_overlap"]["manual_bucketing"]
+    assert stats["reduce_scatters_after"] == 4 and stats["deferred_rs_waits"] == 3
+
+
+def test_merged_reduce_scatter_launches_right_after_its_last_gradient():
+    gm = fsdp_backward_graph()
+    manual_bucketing(gm, PLAN)
+    overlap_grad_reduce(gm)
+    nodes = list(gm.graph.nodes)
+    for rs in [n for n in nodes if is_reduce_scatter(n)]:
+        bucket = rs.meta["fsdp_overlap_bucket"]
+        grads = [n for n in nodes if n.target is aten.mm.default and module_path(n).startswith(f"blocks.{bucket}.")]
+        weight_grads = [g for g in grads if any(u.target in (aten.reshape.default,) for u in g.users)]
+        last = max(weight_grads, key=nodes.index)
+        between = nodes[nodes.index(last) + 1 : nodes.index(rs)]
+        assert between and all(n.meta.get("fsdp_overlap_bucket") == bucket for n in between), between
+
+
+def test_plan_entries_that_overlap_raise():
+    with pytest.raises(OverlapConfigError, match="overlap"):
+        manual_bucketing(fsdp_forward_graph(), [["blocks.0"], ["blocks.0.lin1"]])
+
+
+def test_uncovered_collectives_stay_and_are_reported():
+    gm = fsdp_forward_graph()
+    manual_bucketing(gm, ["blocks.0", "blocks.1"])
+    assert sequence(gm) == "AG0 AG1 W0 mm mm W1 mm mm AG2 W2 mm AG2 W2 mm AG3 W3 mm AG3 W3 mm"
+    stats = gm.meta["fsdp_overlap"]["manual_bucketing"]
+    assert stats["unbucketed_all_gathers"] == 4
+    assert stats["unbucketed_modules"] == ["blocks.2.lin0", "blocks.2.lin1", "blocks.3.lin0", "blocks.3.lin1"]
+
+
+def test_separate_gather_group_moves_only_all_gathers():
+    gm = fsdp_backward_graph()
+    manual_bucketing(gm, PLAN)
+    assert use_gather_group(gm, "7") == 4
+    groups = {(("AG" if is_all_gather(n) else "RS"), n.args[-1]) for n in gm.graph.nodes if is_collective(n)}
+    assert groups == {("AG", "7"), ("RS", "0")}
+
+
+def test_all_gather_is_issued_before_a_ready_reduce_scatter():
+    # bucket 2's gradient reduce-scatter and bucket 0's prefetch become ready at the
+    # same point (nothing but the wait of bucket 1 between them): gather first
+    g = GraphBuilder()
+    w = [g.placeholder(f"w{i}", (4, 8)) for i in range(3)]
+    act, grad = g.placeholder("act", (4, 8)), g.placeholder("tangents_1", (4, 8))
+    outs = []
+    for b in (2, 1):
+        weight = g.gather(w[b], f"blocks.{b}")
+        new_grad = g.call(aten.mm.default, grad, weight, module=f"blocks.{b}", backward=True)
+        grad_w = g.call(aten.mm.default, g.call(aten.t.default, grad), act, module=f"blocks.{b}", backward=True)
+        outs.append(g.reduce_scatter(grad_w, f"blocks.{b}"))
+        grad = new_grad
+    weight0 = g.gather(w[0], "blocks.0")
+    outs.append(g.call(aten.mm.default, grad, weight0, module="blocks.0", backward=True))
+    gm = g.finish(outs)
+    manual_bucketing(gm, ["blocks.0", "blocks.1", "blocks.2"])
+    assert sequence(gm) == "AG2 AG1 W2 mm mm AG0 RS2 W1 mm mm RS1 Wrs2 Wrs1 W0 mm"
+    assert gm.meta["fsdp_overlap"]["manual_bucketing"]["gathers_first"] == 1
+
+
+def test_bucketing_is_deterministic():
+    a, b = fsdp_backward_graph(), fsdp_backward_graph()
+    manual_bucketing(a, PLAN)
+    manual_bucketing(b, PLAN)
+    assert [n.name for n in a.graph.nodes] == [n.name for n in b.graph.nodes]
+    assert str(a.graph) == str(b.graph)
+
+
+# -------------------------------------------------------------- gradient overlap
+def test_grad_overlap_launches_early_and_sinks_waits_to_first_use():
+    gm = fsdp_backward_graph()
+    overlap_grad_reduce(gm)
+    assert sequence(gm) == (
+        "AG3 W3 mm RS3 mm AG3 W3 mm RS3 mm AG2 W2 mm RS2 mm AG2 W2 mm RS2 mm "
+        "AG1 W1 mm RS1 mm AG1 W1 mm RS1 mm AG0 W0 mm RS0 mm AG0 W0 mm RS0 mm "
+        "Wrs3 Wrs3 Wrs2 Wrs2 Wrs1 Wrs1 Wrs0 Wrs0"
+    )
+    stats = gm.meta["fsdp_overlap"]["overlap_grad_reduce"]
+    assert stats == {"matched": 8, "launches_advanced": 8, "wait_view_nodes_sunk": 7, "waits_sunk": 7}
+    nodes = list(gm.graph.nodes)
+    assert nodes[-2].op != "output" and all(is_wait(n) for n in nodes[-9:-1])
+
+
+def _reduction_graph(extra=None, group="0"):
+    """grad = mm(a, b); [extra]; rs(grad) -> wait -> output."""
+    g = GraphBuilder(group=group)
+    a, b, c = g.placeholder("a", (4, 8)), g.placeholder("b", (8, 8)), g.placeholder("c", (4, 8))
+    grad = g.call(aten.mm.default, a, b, module="blocks.0", backward=True)
+    other = g.call(aten.relu.default, c, module="blocks.1", backward=True)
+    marker = extra(g, grad, other) if extra else None
+    reduced = g.reduce_scatter(grad, "blocks.0")
+    late = g.call(aten.relu.default, other, module="blocks.1", backward=True)
+    return g.finish([reduced, late]), marker
+
+
+def _names(gm):
+    return [n.name for n in gm.graph.nodes]
+
+
+def test_wait_branch_with_early_consumer_keeps_it():
+    g = GraphBuilder()
+    a, b, c = g.placeholder("a", (4, 8)), g.placeholder("b", (8, 8)), g.placeholder("c", (2, 8))
+    grad = g.call(aten.mm.default, a, b, module="blocks.0", backward=True)
+    reduced = g.reduce_scatter(grad, "blocks.0")
+    early_view = g.call(aten.view.default, reduced, [16], backward=True)
+    late_view = g.call(aten.t.default, reduced, backward=True)
+    early_use = g.call(aten.add.Tensor, early_view, g.call(aten.view.default, c, [16]))
+    filler = g.call(aten.relu.default, c)
+    gm = g.finish([early_use, late_view, filler])
+    wait = reduced
+    overlap_grad_reduce(gm)
+    names = _names(gm)
+    # the early branch still feeds its consumer before the filler compute...
+    assert (
+        names.index(wait.name) < names.index(early_view.name) < names.index(early_use.name) < names.index(filler.name)
+    )
+    # ...and the other branch sank to its own first use (the output)
+    assert names.index(late_view.name) > names.index(filler.name)
+
+
+def test_storage_release_is_never_crossed():
+    def release(g, grad, other):
+        alias = g.call(aten.view.default, grad, [32])
+        return g.call(aten.resize_.default, alias, [0])
+
+    gm, rel = _reduction_graph(release)
+    overlap_grad_reduce(gm)
+    names = _names(gm)
+    rs = next(n for n in gm.graph.nodes if is_reduce_scatter(n))
+    assert names.index(rel.name) < names.index(rs.name)  # not advanced above the release
+
+    # and a wait is never sunk below a release that follows it
+    g = GraphBuilder()
+    a, b, c = g.placeholder("a", (4, 8)), g.placeholder("b", (8, 8)), g.placeholder("c", (4, 8))
+    grad = g.call(aten.mm.default, a, b, module="blocks.0", backward=True)
+    wait = g.reduce_scatter(grad, "blocks.0")
+    free = g.call(aten.resize_.default, g.call(aten.view.default, grad, [32]), [0])
+    later = g.call(aten.relu.default, c)
+    gm = g.finish([wait, later])
+    overlap_grad_reduce(gm)
+    names = _names(gm)
+    assert names.index(wait.name) < names.index(free.name)
+
+
+def test_same_group_unowned_collective_is_a_barrier_other_group_is_not():
+    def tp_reduce(group):
+        def extra(g, grad, other):
+            ar = g.call(C10D.all_reduce.default, other, "sum", group)
+            return g.call(C10D.wait_tensor.default, ar)
+
+        return extra
+
+    same, _ = _reduction_graph(tp_reduce("0"))
+    overlap_grad_reduce(same)
+    seq = [n.name for n in same.graph.nodes if is_collective(n)]
+    assert seq[0].startswith("all_reduce")  # the reduce-scatter stayed behind it
+
+    other, _ = _reduction_graph(tp_reduce("tp"))
+    overlap_grad_reduce(other)
+    seq = [n.name for n in other.graph.nodes if is_collective(n)]
+    assert seq[0].startswith("reduce_scatter")  # advanced past a collective of another group
+
+
+def test_hsdp_all_reduce_stays_after_its_wait():
+    g = GraphBuilder()
+    a, b, c = g.placeholder("a", (4, 8)), g.placeholder("b", (8, 8)), g.placeholder("c", (4, 8))
+    grad = g.call(aten.mm.default, a, b, module="blocks.0", backward=True)
+    reduced = g.reduce_scatter(grad, "blocks.0")
+    ar = g.call(C10D.all_reduce.default, reduced, "avg", "replicate", module="blocks.0", backward=True)
+    ar_wait = g.call(C10D.wait_tensor.default, ar, module="blocks.0", backward=True)
+    filler = g.call(aten.relu.default, c)
+    gm = g.finish([ar_wait, filler])
+    overlap_grad_reduce(gm)
+    names = _names(gm)
+    assert names.index(reduced.name) + 1 == names.index(ar.name)  # wait sank to the all-reduce
+    assert names.index(ar.name) < names.index(ar_wait.name)
+
+
+def test_tensor_parallel_collectives_are_untouched():
+    g = GraphBuilder()
+    x, w = g.placeholder("x", (4, 8)), g.placeholder("w", (4, 8))
+    h = g.call(aten.relu.default, x)
+    tp = g.call(C10D.all_gather_into_tensor.default, h, 2, "tp")  # input is computed: not FSDP
+    tp_wait = g.call(C10D.wait_tensor.default, tp)
+    weight = g.gather(w, "blocks.0")
+    out = g.call(aten.mm.default, tp_wait, g.call(aten.t.default, weight))
+    gm = g.finish([out])
+    before = _names(gm)
+    manual_bucketing(gm, ["blocks.0"])
+    overlap_grad_reduce(gm)
+    after = _names(gm)
+    assert [n for n in after if n in (tp.name, tp_wait.name, h.name)] == [h.name, tp.name, tp_wait.name]
+    assert after.index(tp_wait.name) - after.index(tp.name) == before.index(tp_wait.name) - before.index(tp.name)
+
+
+def test_grad_overlap_handles_waits_wrapped_in_control_deps():
+    gm = fsdp_backward_graph()
+    original = copy.deepcopy(gm)
+    manual_bucketing(gm, PLAN, insert_overlap_deps=True)
+    wrapped = [n for n in gm.graph.nodes if is_control_deps(n) and is_wait(n)]
+    assert wrapped
+    overlap_grad_reduce(gm)
+    stats = gm.meta["fsdp_overlap"]["overlap_grad_reduce"]
+    assert stats["matched"] == 4
+    nodes = list(gm.graph.nodes)
+    last_mm = max(i for i, n in enumerate(nodes) if effective_target(n) is aten.mm.default)
+    rs_waits = [i for i, n in enumerate(nodes) if is_wait(n) and is_reduce_scatter(collective_of_wait(n))]
+    assert len(rs_waits) == 4 and min(rs_waits) > last_mm  # every wait sank below all compute
+    assert_same_outputs(original, gm)
+
+
+# --------------------------------------------------------- numerics and invariants
+@pytest.mark.parametrize("builder", [fsdp_forward_graph, fsdp_backward_graph])
+@pytest.mark.parametrize("passes", ["bucketing", "grad_overlap", "both", "both+pin"])
+def test_simulated_rank_outputs_identical(builder, passes):
+    before = builder(dtype=torch.float64)
+    after = copy.deepcopy(before)
+    if "both" in passes or passes == "bucketing":
+        manual_bucketing(after, PLAN)
+    if "both" in passes or passes == "grad_overlap":
+        overlap_grad_reduce(after)
+    if passes.endswith("pin"):
+        pin_collective_order(after)
+    assert_same_outputs(before, after)
+    assert sorted(compute_nodes(before)) == sorted(compute_nodes(after))
+
+
+def test_grad_overlap_keeps_compute_order():
+    before = fsdp_backward_graph()
+    after = copy.deepcopy(before)
+    overlap_grad_reduce(after)
+    assert compute_nodes(before) == compute_nodes(after)

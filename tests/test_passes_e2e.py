@@ -1,0 +1,61 @@
+"""Two gloo ranks: the passes change when things run, never what is computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from _dist import run_ranks
+from _train import full_params, make_model, train_sharded
+
+import fsdp_overlap_plugin as fo
+
+pytestmark = pytest.mark.slow
+
+ISSUE_PLAN = [["tok_emb", "pos_emb"], "blocks.0", "blocks.1", "blocks.2", "blocks.3", ["norm", "head"]]
+VARIANTS = {
+    "off": {"manual_bucketing": False, "overlap_grad_reduce": False},
+    "bucketing": {"manual_bucketing": True, "overlap_grad_reduce": False},
+    "grad_overlap": {"manual_bucketing": False, "overlap_grad_reduce": True},
+    "both": {},
+    "both+gather_group": {"separate_gather_group": True},
+}
+
+
+def _train(rank: int, world: int, **config) -> dict:
+    torch._dynamo.reset()
+    model = make_model()
+    fo.parallelize(model, bucket_plans=ISSUE_PLAN, **config)
+    losses = train_sharded(model, rank, world)
+    return {"losses": losses, "params": full_params(model), "report": fo.schedule_report(model)}
+
+
+def _variants(rank: int, world: int, backend: str, names: list[str]) -> dict:
+    return {name: _train(rank, world, backend=backend, **VARIANTS[name]) for name in names}
+
+
+def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
+    results = run_ranks(_variants, "aot_eager", list(VARIANTS))[0]
+    reference = results["off"]
+    for name, result in results.items():
+        assert result["losses"] == reference["losses"], name  # exact float equality
+        for key, value in reference["params"].items():
+            assert torch.equal(result["params"][key], value), (name, key)
+    both = results["both"]["report"]
+    assert both["forward"]["after"]["all_gather"] == 6 and both["backward"]["after"]["reduce_scatter"] == 6
+    assert results["off"]["report"]["forward"] is None  # no pass ran, nothing recorded
+    gathered = results["both+gather_group"]["report"]["forward"]["passes"]["gather_group"]["moved"]
+    assert gathered == 53  # every parameter all-gather moved to the second communicator
+
+
+def test_inductor_losses_equal_within_1e6():
+    results = run_ranks(_variants, "inductor", ["off", "both"])[0]
+    off, both = results["off"], results["both"]
+    for a, b in zip(off["losses"], both["losses"]):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (off["losses"], both["losses"])
+    for key, value in off["params"].items():
+        torch.testing.assert_close(both["params"][key], value, rtol=1e-6, atol=1e-6)
+    report = both["report"]
+    assert report["forward"]["after"]["all_gather"] == 6
+    assert report["backward"]["after"]["reduce_scatter"] == 6
+    assert report["backward"]["passes"]["pin_order"]["dependencies"] > 0

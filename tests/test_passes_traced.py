@@ -1,0 +1,114 @@
+"""The passes on graphs torch really produces (GPT, fake process group, one process)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from _fake import GraphCapture, fake_world
+from test_passes import assert_same_outputs, compute_nodes
+
+import fsdp_overlap_plugin as fo
+from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+from fsdp_overlap_plugin.passes import manual_bucketing, overlap_grad_reduce, pin_collective_order
+from fsdp_overlap_plugin.passes.graph import is_all_gather, is_reduce_scatter
+
+ISSUE_PLAN = [["tok_emb", "pos_emb"], "blocks.0", "blocks.1", "blocks.2", "blocks.3", ["norm", "head"]]
+
+
+def _step(model):
+    x, y = fixed_batches(1, 2, 16, 256)[0]
+    loss_fn(model(x), y).backward()
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """Forward/backward graphs of a float64 GPT before any pass (passes run on copies)."""
+    with fake_world(2), pytest.MonkeyPatch.context() as mp:
+        capture = GraphCapture(mp)
+        torch.manual_seed(0)
+        model = gpt_small(vocab_size=255).double()  # odd vocabulary: padded shards
+        fo.parallelize(model, backend="aot_eager", bucket_plans=ISSUE_PLAN)
+        _step(model)
+        graphs = {"forward": capture.get("forward"), "backward": capture.get("backward"), "model": model}
+    return graphs
+
+
+def test_issue_plan_gives_six_all_gathers_and_six_reduce_scatters(traced):
+    report = fo.schedule_report(traced["model"])
+    assert report["forward"]["after"]["all_gather"] == 6
+    assert report["backward"]["after"]["reduce_scatter"] == 6
+    assert report["forward"]["passes"]["manual_bucketing"]["buckets"] == 6
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("passes", ["bucketing", "grad_overlap", "both", "both+pin"])
+def test_traced_graphs_compute_the_same(traced, kind, passes):
+    before = traced[kind]
+    after = copy.deepcopy(before)
+    if passes in ("bucketing", "both", "both+pin"):
+        manual_bucketing(after, ISSUE_PLAN)
+    if passes in ("grad_overlap", "both", "both+pin"):
+        overlap_grad_reduce(after)
+    if passes == "both+pin":
+        pin_collective_order(after)
+    assert_same_outputs(before, after)
+    assert sorted(compute_nodes(before)) == sorted(compute_nodes(after))
+
+
+def test_traced_backward_waits_sink_below_all_compute(traced):
+    gm = copy.deepcopy(traced["backward"])
+    manual_bucketing(gm, ISSUE_PLAN)
+    overlap_grad_reduce(gm)
+    stats = gm.meta["fsdp_overlap"]["overlap_grad_reduce"]
+    assert stats["matched"] == 6
+    nodes = list(gm.graph.nodes)
+    last_mm = max(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default)
+    rs_positions = [i for i, n in enumerate(nodes) if is_reduce_scatter(n)]
+    waits = [nodes.index(next(iter(nodes[i].users))) for i in rs_positions]
+    assert all(w > last_mm for w in waits)
+    # re-gathered: blocks.0-3; not the kept last bucket, nor the embeddings (their
+    # backward needs only the indices)
+    assert sum(1 for n in nodes if is_all_gather(n)) == 4
+
+
+_LAUNCH = re.compile(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(")
+_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+_MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+
+
+def _windows(code: str) -> list[tuple[int, int, int]]:
+    """(launch line, wait line, matmuls between) for each all-gather in generated code."""
+    launches, waits, mms = {}, {}, []
+    for i, line in enumerate(code.splitlines()):
+        if m := _LAUNCH.search(line):
+            launches[m.group(1)] = i
+        elif m := _WAIT.search(line):
+            waits.setdefault(m.group(1), i)
+        elif _MM.search(line):
+            mms.append(i)
+    return [
+        (s, waits[b], sum(1 for i in mms if s < i < waits[b]))
+        for b, s in sorted(launches.items(), key=lambda kv: kv[1])
+    ]
+
+
+def test_inductor_code_keeps_prefetch_order():
+    from torch._inductor.utils import run_and_get_code
+
+    with fake_world(2):
+        torch.manual_seed(0)
+        model = gpt_small()
+        fo.parallelize(model, backend="inductor", bucket_plans=ISSUE_PLAN)
+        _, codes = run_and_get_code(lambda: _step(model))
+    forward, backward = codes[0], codes[1]
+    fwd = _windows(forward)
+    assert len(fwd) == 6
+    for (start, _, _), (_, prev_wait, _) in zip(fwd[1:], fwd):
+        assert start < prev_wait  # bucket i+1 launched before bucket i's wait
+    # from blocks.1 on, each prefetch's wait comes after matmuls of the previous bucket
+    assert all(mms >= 1 for _, _, mms in fwd[2:]), fwd
+    bwd = _windows(backward)
+    assert len(bwd) == 4 and all(mms >= 1 for _, _, mms in bwd), bwd
