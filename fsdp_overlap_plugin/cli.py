@@ -774,20 +774,80 @@ def _dtype_lines(config: OverlapConfig, info: dict[str, Any]) -> list[str]:
     return [f"bytes   storage {'/'.join(storage)} (parameter dtype) | all-gather {gather} | reduce-scatter {reduce}"]
 
 
-def _bucket_lines(rows: list[dict[str, Any]]) -> list[str]:
-    table = [["bucket", "modules", "params", "storage", "all-gather", "reduce-scatter"]]
+def _runs(rows: list[dict[str, Any]], name, index, same: tuple[str, ...], expand: bool) -> list[list[dict[str, Any]]]:
+    """Consecutive rows that differ only in a trailing block number (``blocks.0``, ``blocks.1``,
+    ...) and their bucket index, grouped so a 80-layer model prints one line per run."""
+    groups: list[list[dict[str, Any]]] = []
     for r in rows:
+        prev = groups[-1][-1] if groups else None
+        n, p = name(r), name(prev) if prev else None
+        if (
+            not expand
+            and prev is not None
+            and n is not None
+            and p is not None
+            and all(r[k] == prev[k] for k in same)
+            and n.rpartition(".")[0] == p.rpartition(".")[0]
+            and n.rpartition(".")[2].isdigit()
+            and p.rpartition(".")[2].isdigit()
+            and int(n.rpartition(".")[2]) == int(p.rpartition(".")[2]) + 1
+            and index(r) is not None
+            and index(prev) is not None
+            and index(r) == index(prev) + 1
+        ):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    out: list[list[dict[str, Any]]] = []
+    for g in groups:  # runs shorter than 4 print row by row
+        out.extend([g] if len(g) >= 4 else [[r] for r in g])
+    return out
+
+
+def _run_label(group: list[dict[str, Any]], first: str, last: str) -> str:
+    return first if len(group) == 1 else f"{first} .. {last} ({len(group)}x)"
+
+
+def _bucket_lines(rows: list[dict[str, Any]], expand: bool = False) -> list[str]:
+    table = [["bucket", "modules", "params", "storage", "all-gather", "reduce-scatter"]]
+    one = lambda r: r["modules"][0] if len(r["modules"]) == 1 else None  # noqa: E731
+    same = ("params", "storage_bytes", "gather_bytes", "reduce_bytes")
+    for g in _runs(rows, one, lambda r: r["index"], same, expand):
+        r = g[0]
+        each = "" if len(g) == 1 else " each"
         table.append(
             [
-                str(r["index"]),
-                ", ".join(r["modules"]),
+                str(r["index"]) if len(g) == 1 else f"{r['index']}-{g[-1]['index']}",
+                _run_label(g, ", ".join(r["modules"]), ", ".join(g[-1]["modules"])),
                 f"{r['params']:,}",
-                format_bytes(r["storage_bytes"]),
-                format_bytes(r["gather_bytes"]),
-                format_bytes(r["reduce_bytes"]),
+                format_bytes(r["storage_bytes"]) + each,
+                format_bytes(r["gather_bytes"]) + each,
+                format_bytes(r["reduce_bytes"]) + each,
             ]
         )
     return _table(table, right={0, 2, 3, 4, 5})
+
+
+def _tree_lines(tree: list[dict[str, Any]], expand: bool = False) -> list[str]:
+    table = [["module", "type", "params", "storage", "all-gather", "reduce-scatter", "bucket"]]
+    name = lambda r: r["fqn"] if r["role"] == "bucket" else None  # noqa: E731
+    same = ("type", "depth", "params", "storage_bytes", "gather_bytes", "reduce_bytes")
+    for g in _runs(tree, name, lambda r: r["bucket"], same, expand):
+        r = g[0]
+        bucket = {"container": "", "unbucketed": "none", "own": "none"}.get(r["role"], str(r["bucket"]))
+        each = "" if len(g) == 1 else " each"
+        table.append(
+            [
+                "  " * r["depth"] + _run_label(g, r["fqn"], g[-1]["fqn"]),
+                r["type"],
+                f"{r['params']:,}",
+                format_bytes(r["storage_bytes"]) + each,
+                format_bytes(r["gather_bytes"]) + each,
+                format_bytes(r["reduce_bytes"]) + each,
+                bucket if len(g) == 1 else f"{r['bucket']}-{g[-1]['bucket']}",
+            ]
+        )
+    return _table(table, right={2, 3, 4, 5, 6}, indent="")
 
 
 def _memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
@@ -865,24 +925,10 @@ def cmd_inspect(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str
         lines.append(f"config  {loaded.path} ({loaded.shape})" + "".join(f"; {n}" for n in loaded.notes))
     lines += _dtype_lines(config, info)
     lines.append("")
-    table = [["module", "type", "params", "storage", "all-gather", "reduce-scatter", "bucket"]]
-    for r in tree:
-        bucket = {"container": "", "unbucketed": "none", "own": "none"}.get(r["role"], str(r["bucket"]))
-        table.append(
-            [
-                "  " * r["depth"] + r["fqn"],
-                r["type"],
-                f"{r['params']:,}",
-                format_bytes(r["storage_bytes"]),
-                format_bytes(r["gather_bytes"]),
-                format_bytes(r["reduce_bytes"]),
-                bucket,
-            ]
-        )
-    lines += _table(table, right={2, 3, 4, 5, 6}, indent="")
+    lines += _tree_lines(tree, args.expand)
     lines.append("")
     lines += _auto_lines(result, config)
-    lines += _bucket_lines(auto_rows)
+    lines += _bucket_lines(auto_rows, args.expand)
     if result["plan"]["source"] == "config":
         lines.append(
             f"the config's own bucket_plans ({len(plan)} buckets) is in the bucket column above; "
@@ -940,7 +986,7 @@ def cmd_check(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]
         lines += _auto_lines(result, config)
     else:
         lines.append(f"plan    {len(rows)} buckets from {loaded.key('bucket_plans')}")
-    lines += _bucket_lines(rows)
+    lines += _bucket_lines(rows, args.expand)
     if result["activation_checkpointing"]:
         lines.append(f"activation checkpointing: {', '.join(result['activation_checkpointing'])}")
     lines += _memory_lines(result, config)
@@ -1213,6 +1259,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help=f"warn on buckets gathering less than this (default {format_bytes(SMALL_BUCKET_BYTES)}; see docs/tuning.md)",
     )
+    p.add_argument("--expand", action="store_true", help="one line per block (text only; --json always has all)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 

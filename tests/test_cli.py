@@ -90,7 +90,7 @@ def test_inspect_gpt_small_tree_plan_and_bytes(capsys):
 
 def test_inspect_text_shows_tree_bytes_and_auto_plan(capsys):
     s = gpt_sizes()
-    code, text, _ = run(capsys, "inspect", SMALL)
+    code, text, _ = run(capsys, "inspect", SMALL, "--expand")
     assert code == 0
     lines = text.splitlines()
     block0 = next(line for line in lines if line.strip().startswith("blocks.0 "))
@@ -99,6 +99,11 @@ def test_inspect_text_shows_tree_bytes_and_auto_plan(capsys):
     emb = next(line for line in lines if line.split()[:3] == ["0", "tok_emb,", "pos_emb"])
     assert kib(4 * (s["tok_emb"] + s["pos_emb"])) in emb
     assert "on meta, no memory allocated for weights" in text
+    # without --expand, identical consecutive blocks print as one run
+    code, text, _ = run(capsys, "inspect", SMALL)
+    (run_row,) = [line for line in text.splitlines() if "blocks.0 .. blocks.3 (4x)" in line and "Block" in line]
+    assert run_row.split()[-1] == "1-4" and f"{kib(4 * s['block'])} each" in run_row
+    assert not [line for line in text.splitlines() if line.strip().startswith("blocks.1 ")]
 
 
 def test_inspect_bytes_follow_config_dtypes(capsys, tmp_path):
@@ -150,7 +155,10 @@ def test_inspect_billion_parameter_model_on_meta(capsys):
     assert out["memory"]["sharded_storage_bytes_per_rank"] == -(-4 * s["total"] // 64)
     assert not [w for w in out["warnings"] if w["kind"] in ("small", "large", "unbucketed")]
     code, text, _ = run(capsys, "inspect", GPT + "gpt_1b")
-    assert "1,347,014,656 parameters" in text and mib(4 * s["block"]) in text
+    assert "1,347,014,656 parameters" in text
+    (plan_row,) = [line for line in text.splitlines() if line.split()[:1] == ["2-25"]]
+    assert plan_row.split()[1:5] == ["blocks.0", "..", "blocks.23", "(24x)"]
+    assert f"{s['block']:,}  {mib(4 * s['block'])} each" in plan_row
 
 
 def test_billion_parameter_check_allocates_no_weights(tmp_path):
@@ -499,3 +507,24 @@ def test_console_script_declared():
 def test_meta_build_leaves_default_device_alone():
     load_model(SMALL)
     assert torch.empty(1).device.type == "cpu"
+
+
+def test_docs_tuning_examples_are_current(capsys, monkeypatch):
+    """The docs/tuning.md examples that run from the repository root print what the docs show."""
+    import shlex
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    checked = 0
+    for block in text.split("```")[1::2]:
+        lines = block.strip("\n").splitlines()
+        if not lines or not lines[0].startswith("$ fsdp-overlap "):
+            continue
+        argv = shlex.split(lines[0][len("$ fsdp-overlap ") :])
+        paths = [a for a in argv if a.endswith((".yaml", ".json"))]
+        if not all((ROOT / p).is_file() for p in paths):
+            continue  # an example on a user's own file
+        main(argv)
+        assert capsys.readouterr().out.splitlines() == lines[1:], f"docs/tuning.md is stale for: {lines[0]}"
+        checked += 1
+    assert checked >= 2

@@ -4,6 +4,7 @@ schedule reports in the format ``schedule_report`` writes (``record["schedule"]`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -259,3 +260,9 @@ def test_explain_png_uses_report_draw_timeline(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(report_module, "draw_timeline", no_matplotlib, raising=False)
     code, text, _ = run(capsys, "explain", path, "--png", png)
     assert code == 1 and "pip install 'fsdp-overlap-plugin[viz]'" in text
+
+
+def test_shipped_example_report_matches_fixture():
+    """tests/fixtures/cli/report.json (used in docs/tuning.md) is this file's report."""
+    path = Path(__file__).resolve().parent / "fixtures" / "cli" / "report.json"
+    assert json.loads(path.read_text()) == make_report()
