@@ -1024,7 +1024,7 @@ def summarize_schedule(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     waits: dict[str, int] = {}
     for i, item in enumerate(items):
         if item.get("op") in _COLLECTIVES:
-            launches[item["name"]] = i
+            launches[str(item.get("name") or f"#{i}")] = i
         elif item.get("op") == "wait" and item.get("of") is not None:
             waits.setdefault(item["of"], i)
     groups: dict[tuple, dict[str, Any]] = {}
@@ -1054,8 +1054,7 @@ def summarize_schedule(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for g in groups.values():
         covered: set[int] = set()
         for li in g["launches"]:
-            name = items[li]["name"]
-            wi = waits.get(name, li)
+            wi = waits.get(str(items[li].get("name") or f"#{li}"), li)
             covered.update(range(li + 1, wi))
         between = [items[i] for i in sorted(covered) if items[i].get("op") == "compute"]
         g["compute_between_flops"] = sum(int(c.get("flops") or 0) for c in between)

@@ -528,3 +528,28 @@ def test_docs_tuning_examples_are_current(capsys, monkeypatch):
         assert capsys.readouterr().out.splitlines() == lines[1:], f"docs/tuning.md is stale for: {lines[0]}"
         checked += 1
     assert checked >= 2
+
+
+def test_framework_precision_disagreeing_with_param_dtype_warns(capsys, tmp_path):
+    lightning = tmp_path / "l.yaml"
+    lightning.write_text(
+        "trainer:\n  precision: bf16-mixed\n  strategy:\n"
+        "    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n    init_args:\n      param_dtype: fp16\n"
+    )
+    code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
+    (warning,) = [w for w in out["warnings"] if w["kind"] == "config"]
+    assert code == 0 and out["config"]["values"]["param_dtype"] == "fp16"  # the explicit key wins
+    assert (
+        "trainer.strategy.init_args.param_dtype=fp16 disagrees with trainer.precision=bf16-mixed" in warning["message"]
+    )
+    accelerate = tmp_path / "a.yaml"
+    accelerate.write_text(
+        "distributed_type: FSDP\nmixed_precision: fp16\nfsdp_config:\n  fsdp_overlap_param_dtype: bf16\n"
+    )
+    code, out = run_json(capsys, "check", str(accelerate), "--model", SMALL)
+    (warning,) = [w for w in out["warnings"] if w["kind"] == "config"]
+    assert "fsdp_config.fsdp_overlap_param_dtype=bf16 disagrees with mixed_precision: fp16" in warning["message"]
+    unquoted = tmp_path / "n.yaml"
+    unquoted.write_text("distributed_type: FSDP\nmixed_precision: no\n")  # YAML 1.1 reads `no` as false
+    code, out = run_json(capsys, "check", str(unquoted), "--model", SMALL)
+    assert code == 0 and out["config"]["values"]["param_dtype"] is None
