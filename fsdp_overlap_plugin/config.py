@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MeshConfig", "OverlapConfig", "OverlapConfigError", "parse_dtype"]
+__all__ = ["MeshConfig", "OverlapConfig", "OverlapConfigError", "parse_bytes", "parse_dtype"]
 
 
 class OverlapConfigError(ValueError):
@@ -62,6 +63,51 @@ def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype | None:
             f"{key}: unknown dtype {value!r}; valid: bf16, fp16, fp32 or null.{suggest(lowered, spellings)}"
         )
     raise OverlapConfigError(f"{key}: expected a dtype name (bf16, fp16, fp32) or null, got {type(value).__name__}.")
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
+
+
+def parse_bytes(value: Any, key: str = "bytes") -> int | None:
+    """A positive byte count from an integer or a string with a unit ("64MiB", "500 KB",
+    "1e6"); None stays None. KB/MB/GB are powers of 1000, KiB/MiB/GiB powers of 1024."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise OverlapConfigError(
+            f'{key}: expected a number of bytes (e.g. 67108864 or "64MiB") or null, got {value!r}.'
+        )
+    number: float
+    if isinstance(value, (int, float)):
+        number = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        if match is None or match.group(2) not in _BYTE_UNITS:
+            unit = match.group(2) if match else value
+            proper = {u.lower(): u for u in ("KB", "MB", "GB", "KiB", "MiB", "GiB")}
+            close = difflib.get_close_matches(unit, list(proper), n=1, cutoff=0.5) if match else []
+            hint = f" Did you mean {match.group(1) + proper[close[0]]!r}?" if close else ""
+            raise OverlapConfigError(
+                f"{key}: cannot read {value!r} as a size; write an integer number of bytes or a number with "
+                f'a unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. "64MiB".{hint}'
+            )
+        number = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
+    else:
+        raise OverlapConfigError(
+            f'{key}: expected a number of bytes or a string like "64MiB", got {type(value).__name__}.'
+        )
+    if number < 1 or number != int(number):
+        raise OverlapConfigError(f"{key}: must be a whole number of bytes >= 1, got {value!r}.")
+    return int(number)
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -111,11 +157,22 @@ class OverlapConfig:
 
     bucket_plans: str | list = "auto"
     """Which modules' collectives are merged into one bucket: "auto" (one bucket per repeated
-    block of the model's largest ModuleList/Sequential, one for the modules before it, one for
-    those after it), or a list whose entries are a module FQN ("layers.0") or a list of FQNs
+    block of the model's largest ModuleList/Sequential; the modules before and after the blocks
+    are grouped into buckets of about bucket_bytes), or a list whose entries are a module FQN ("layers.0") or a list of FQNs
     (["norm", "output"]) forming one bucket. FQNs are relative to the model root. A string
     entry with a glob ("layers.*") or numeric range ("layers.[0-3]") expands to one bucket per
     matching module, in module order; inside a list entry it adds all matches to that bucket."""
+
+    bucket_bytes: int | str | None = None
+    """Target size of an auto-plan bucket, in bytes as gathered (in param_dtype). Consecutive
+    modules outside the repeated blocks (embeddings, norms, heads) merge into one bucket until
+    it reaches this size; such a module larger than the target is split into its children
+    when it holds no parameters of its own; a repeated block always stays one bucket, however
+    large. null uses the size of one repeated block (the median), so merging never makes a
+    bucket much larger than a block and prefetch memory stays what the blocks already need;
+    16 MiB for a model without repeated blocks. An integer or a string such as "64MiB" or
+    "500KB"; 1 gives every such module its own bucket. Only read when bucket_plans is "auto"
+    (docs/tuning.md explains the choice)."""
 
     manual_bucketing: bool = True
     """Merge the all-gathers and reduce-scatters of each plan entry into one collective, and
@@ -234,6 +291,7 @@ class OverlapConfig:
     def validate(self) -> None:
         """Check every field; raise OverlapConfigError naming the key at fault."""
         self.bucket_plans = _check_plans(self.bucket_plans)
+        self.bucket_bytes = parse_bytes(self.bucket_bytes, "bucket_bytes")
         for name in (
             "manual_bucketing",
             "overlap_grad_reduce",

@@ -15,14 +15,26 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import statistics
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from .config import OverlapConfig, OverlapConfigError, suggest
 
-__all__ = ["resolve_plan", "auto_plan", "expand_pattern", "find_repeated_blocks", "PlanWarning"]
+__all__ = [
+    "AutoPlan",
+    "PlanWarning",
+    "auto_plan",
+    "auto_plan_info",
+    "expand_pattern",
+    "find_repeated_blocks",
+    "gather_bytes",
+    "resolve_plan",
+]
 
 _RANGE = re.compile(r"^\[(\d+)-(\d+)\]$")
 _GLOB_CHARS = set("*?[")
@@ -99,7 +111,7 @@ def resolve_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -
     """
     config = OverlapConfig.coerce(config)
     if config.bucket_plans == "auto":
-        return auto_plan(model)
+        return auto_plan(model, config)
     names = _module_names(model)
     name_set = set(names)
     buckets: list[list[str]] = []
@@ -218,43 +230,153 @@ def _covering_modules(model: nn.Module, owners: set[str]) -> list[str]:
     return out
 
 
-def auto_plan(model: nn.Module) -> list[list[str]]:
-    """One bucket per repeated block, one for the modules before the blocks, one after.
+#: ``bucket_bytes`` when it is null and the model has no repeated blocks (docs/tuning.md).
+DEFAULT_BUCKET_BYTES = 16 * 2**20
 
-    "Before" and "after" follow module registration order (which for the usual
-    embed -> blocks -> norm -> head layout is also execution order). A module that
-    reuses a parameter of another (tied weights) gathers it again under its own name,
-    so it is placed by its own position. Parameters held directly by a module that
-    also contains the blocks (for example a positional embedding held as a bare
-    ``nn.Parameter`` on the root) cannot be named by a module FQN without overlapping
-    the blocks; they stay unbucketed and the schedule report lists them. A model
-    without repeated blocks gets one bucket per top-level child that has parameters.
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def gather_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes the all-gathers of ``module``'s subtree move, unsharded, in ``dtype`` (None: each
+    parameter's own dtype). A parameter registered in two modules (tied weights) counts once
+    per module, because each module gathers it under its own name. Reads shapes only, so it
+    is free on the meta device and the same on every rank (DTensor numel is global)."""
+    total = 0
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None:
+                total += p.numel() * _itemsize(dtype or p.dtype)
+    return total
+
+
+@dataclass
+class AutoPlan:
+    """What ``auto_plan`` decided and why (``fsdp-overlap inspect`` prints it)."""
+
+    buckets: list[list[str]]
+    """The plan: lists of module FQNs."""
+    target_bytes: int
+    """The ``bucket_bytes`` target the non-block modules were grouped to."""
+    target_source: str
+    """Where the target came from: "bucket_bytes", "median block" or "default (no repeated blocks)"."""
+    container: str | None
+    """FQN of the container holding the repeated blocks ("" for the root), None if none."""
+    blocks: list[str] = field(default_factory=list)
+    """FQNs of the repeated blocks, each one bucket."""
+    bucket_bytes: list[int] = field(default_factory=list)
+    """Gathered bytes of each bucket (in param_dtype)."""
+
+
+def auto_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -> list[list[str]]:
+    """The ``bucket_plans: auto`` plan; see ``auto_plan_info`` for the rules."""
+    return auto_plan_info(model, config).buckets
+
+
+def auto_plan_info(model: nn.Module, config: OverlapConfig | dict | None = None) -> AutoPlan:
+    """One bucket per repeated block; the modules before and after the blocks in buckets of
+    about ``config.bucket_bytes``.
+
+    Rules, applied separately to the modules registered before the blocks and to those
+    after them (registration order; for the usual embed -> blocks -> norm -> head layout
+    that is also execution order):
+
+    * units: the fewest whole modules covering those modules' parameters, in module order;
+      a unit larger than the target that holds no parameters itself is replaced by its
+      children (recursively), so a large non-block subtree is not one giant bucket;
+    * units merge in order into a bucket until it reaches the target; the unit that
+      reaches it stays in that bucket (so each bucket but a run's last is >= the target,
+      and none exceeds the target by more than one unit);
+    * a repeated block is always one bucket on its own, however large.
+
+    The target (``bucket_bytes``, null by default) is the median block size, so grouping
+    never makes a bucket much larger than a block; ``DEFAULT_BUCKET_BYTES`` without blocks.
+    Bytes are counted as gathered (``param_dtype``, else each parameter's dtype).
+
+    A module that reuses a parameter of another (tied weights) gathers it again under its
+    own name, so it is placed by its own position. Parameters held directly by a module
+    that also contains the blocks (for example a positional embedding held as a bare
+    ``nn.Parameter`` on the root) cannot be named by a module FQN without overlapping the
+    blocks; they stay unbucketed and the schedule report lists them. A model without
+    repeated blocks has one run: its top-level children with parameters.
+
+    The result is a pure function of the module tree, parameter shapes and dtypes and the
+    config: identical on every rank, and free on a meta-device model.
     """
+    config = OverlapConfig.coerce(config)
+    dtype = config.torch_param_dtype
     found = find_repeated_blocks(model)
     if found is None:
-        return [[name] for name, child in model.named_children() if next(child.parameters(), None) is not None]
-    _, blocks = found
-    ancestors = _ancestor_names(blocks)
-    before: set[str] = set()
-    after: set[str] = set()
-    seen_blocks = False
-    for name, module in model.named_modules():
-        if name == blocks[0]:
-            seen_blocks = True
-        if name in ancestors or any(name == b or name.startswith(b + ".") for b in blocks):
-            continue
-        if next(module.parameters(recurse=False), None) is not None:
-            (after if seen_blocks else before).add(name)
-    plan: list[list[str]] = []
-    head = _covering_modules(model, before)
-    if head:
-        plan.append(head)
-    plan.extend([b] for b in blocks)
-    tail = _covering_modules(model, after)
-    if tail:
-        plan.append(tail)
+        container, blocks = None, []
+        runs = [[name for name, child in model.named_children() if next(child.parameters(), None) is not None]]
+        default, source = DEFAULT_BUCKET_BYTES, "default (no repeated blocks)"
+    else:
+        container, blocks = found
+        ancestors = _ancestor_names(blocks)
+        before: set[str] = set()
+        after: set[str] = set()
+        seen_blocks = False
+        for name, module in model.named_modules():
+            if name == blocks[0]:
+                seen_blocks = True
+            if name in ancestors or any(name == b or name.startswith(b + ".") for b in blocks):
+                continue
+            if next(module.parameters(recurse=False), None) is not None:
+                (after if seen_blocks else before).add(name)
+        runs = [_covering_modules(model, before), _covering_modules(model, after)]
+        default = statistics.median_low(gather_bytes(model.get_submodule(b), dtype) for b in blocks)
+        source = "median block"
+    if config.bucket_bytes is not None:
+        target, source = config.bucket_bytes, "bucket_bytes"
+    else:
+        target = max(int(default), 1)
+
+    def size(fqn: str) -> int:
+        return gather_bytes(model.get_submodule(fqn), dtype)
+
+    groups = [_fill(_split_units(model, run, target, size), target, size) for run in runs]
+    plan: list[list[str]] = groups[0] + [[b] for b in blocks] + (groups[1] if len(groups) > 1 else [])
     check_disjoint(plan)
-    return plan
+    return AutoPlan(
+        buckets=plan,
+        target_bytes=target,
+        target_source=source,
+        container=container,
+        blocks=list(blocks),
+        bucket_bytes=[sum(size(f) for f in bucket) for bucket in plan],
+    )
+
+
+def _split_units(model: nn.Module, units: list[str], target: int, size) -> list[str]:
+    """Replace each unit larger than ``target`` that holds no parameters itself by its
+    parameter-holding children, recursively (its own parameters could not be named
+    without overlapping the children)."""
+    out: list[str] = []
+    for fqn in units:
+        module = model.get_submodule(fqn)
+        children = [f"{fqn}.{n}" for n, c in module.named_children() if next(c.parameters(), None) is not None]
+        if size(fqn) > target and children and next(module.parameters(recurse=False), None) is None:
+            out.extend(_split_units(model, children, target, size))
+        else:
+            out.append(fqn)
+    return out
+
+
+def _fill(units: list[str], target: int, size) -> list[list[str]]:
+    """Consecutive units into buckets: a bucket closes once it holds ``target`` bytes."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for fqn in units:
+        current.append(fqn)
+        current_bytes += size(fqn)
+        if current_bytes >= target:
+            groups.append(current)
+            current, current_bytes = [], 0
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _ancestor_names(fqns: list[str]) -> set[str]:

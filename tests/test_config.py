@@ -68,7 +68,7 @@ def test_bad_input_names_the_key(data, culprit, hint):
 
 
 def test_unknown_key_lists_valid_keys():
-    with pytest.raises(OverlapConfigError, match="Valid keys: bucket_plans, manual_bucketing"):
+    with pytest.raises(OverlapConfigError, match="Valid keys: bucket_plans, bucket_bytes, manual_bucketing"):
         OverlapConfig.from_dict({"nonsense": 1})
 
 
