@@ -34,9 +34,9 @@ import torch.nn as nn
 
 from .. import accelerators
 from ..compile import get_state
-from ..config import OverlapConfig, OverlapConfigError
+from ..config import OverlapConfig, OverlapConfigError, suggest
 from ..parallelize import parallelize
-from ..plan import resolve_plan
+from ..plan import expand_pattern, resolve_plan
 from ..sharding import build_mesh, is_sharded, materialize
 from .config import (
     AccelerateSettings,
@@ -181,7 +181,9 @@ def prepare(
     prefixed = resolved.prefixed
     where = str(source.path) if source.path else ""
     try:
-        resolve_plan(model, cfg)  # pure: a wrong module name fails here, on every rank, before any collective
+        # Pure checks: a wrong module name fails here, on every rank, before any collective.
+        resolve_plan(model, cfg)
+        _check_checkpointed_modules(model, cfg.activation_checkpointing)
     except OverlapConfigError as exc:
         raise rename_error(exc, where, prefixed) from None
 
@@ -218,6 +220,18 @@ def prepare(
     if accelerator.is_main_process:
         log.info("fsdp-overlap: configuration from %s; plan of %d buckets", source, len(get_state(model).plan))
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+
+def _check_checkpointed_modules(model: nn.Module, patterns: list[str]) -> None:
+    """The check ``parallelize`` makes when it applies activation checkpointing, made
+    earlier: it runs after the mesh (a collective) is built."""
+    names = [n for n, _ in model.named_modules() if n]
+    for i, pattern in enumerate(patterns):
+        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
+        if not found or found[0] not in set(names):
+            raise OverlapConfigError(
+                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
+            )
 
 
 def _check_accelerator(accelerator: Any) -> None:
