@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.accelerate import prepare  # import before Accelerator(): see the README
+from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see the README
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 
 # ---- settings (nanoGPT style: edit here) -------------------------------------------
@@ -66,6 +66,7 @@ dataset = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, 
 loader = DataLoader(dataset, batch_size=BATCH_PER_RANK)
 
 model, optimizer, loader = prepare(accelerator, model, optimizer, loader)  # <- the fsdp-overlap line
+accelerator.print(f"fsdp-overlap settings from {config_source(model)}")
 
 progress = Progress()
 accelerator.register_for_checkpointing(progress)

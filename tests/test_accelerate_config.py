@@ -68,6 +68,13 @@ def test_overlap_yaml_has_one_plugin_key_per_overlap_config_field():
     assert set(yaml.safe_load(text)["fsdp_config"]) >= set(plugin_keys())  # all under fsdp_config
 
 
+def test_readme_names_every_plugin_key():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Accelerate") :]
+    assert [key for key in plugin_keys() if f"`{key}`" not in section] == []
+    assert "`--config`" in section and "--config_file" in section
+
+
 def test_overlap_yaml_documents_the_defaults():
     # The template shows every default, so a user sees what they would change.
     resolved = load_config(None, OVERLAP_YAML)

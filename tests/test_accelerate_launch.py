@@ -6,10 +6,12 @@ core's losses; config-only tuning; resuming from save_state; bad YAML caught on 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import yaml
-from _accelerate import accelerate_launch, copy_yaml, core_reference, output, rank_lines
+from _accelerate import OVERLAP_YAML, accelerate_launch, copy_yaml, core_reference, output, rank_lines
 from _dist import run_ranks
 
 from fsdp_overlap_plugin import OverlapConfig
@@ -38,6 +40,11 @@ def test_the_real_launch_command(tmp_path):
     text = output(proc)
     assert proc.returncode == 0, text[-6000:]
 
+    # Found in the workers through the launcher's command line (Accelerate does not pass it on).
+    found = re.search(
+        r"fsdp-overlap settings from (\S+) \(--config_file of accelerate launch \(pid \d+\)\)", proc.stdout
+    )
+    assert found and Path(found.group(1)) == OVERLAP_YAML
     ranks = rank_lines(text)
     assert sorted(ranks) == [0, 1]  # two real ranks, each knowing the other
     (local0, total), (local1, _) = ranks[0], ranks[1]

@@ -212,3 +212,53 @@ def test_save_state_load_state_resumes_exactly(results, mode):
         assert {"model.safetensors", "optimizer.bin"} <= set(files)
     else:  # Accelerate's FSDP2 layout: sharded torch.distributed.checkpoint folders
         assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(files)
+
+
+def _single_process() -> dict:
+    """``python train.py``: no launcher, no process group, no config file."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_overlap_plugin.accelerate import config_source, prepare
+    from fsdp_overlap_plugin.models import loss_fn
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("fsdp_overlap_plugin.accelerate").addHandler(handler)
+    torch.set_num_threads(1)
+    accelerator = Accelerator()
+    model = _model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = prepare(accelerator, model, optimizer, backend="aot_eager")
+    batches, _ = _data(1)
+    x, y = batches[0]
+    losses = []
+    for _ in range(2):
+        loss = loss_fn(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {
+        "world": dist.get_world_size(),
+        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        "source": str(config_source(model)),
+        "warnings": records,
+        "losses": losses,
+    }
+
+
+@pytest.mark.slow
+def test_single_process_without_launcher_or_config():
+    from _dist import run_isolated
+
+    result = run_isolated(_single_process)
+    assert result["world"] == 1 and result["sharded"]
+    assert "no config file" in result["source"] and "not started by accelerate launch" in result["source"]
+    assert any("using the defaults" in message for message in result["warnings"])
+    assert result["losses"][1] < result["losses"][0]

@@ -218,6 +218,8 @@ def prepare(
     prepared = _prepare_with_accelerate(accelerator, model, objects)
     _install_checkpointing(accelerator, model, prepared)
     if accelerator.is_main_process:
+        if source.path is None and config is None:
+            log.warning("fsdp-overlap: %s: using the defaults and Accelerate's settings.", source)
         log.info("fsdp-overlap: configuration from %s; plan of %d buckets", source, len(get_state(model).plan))
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
