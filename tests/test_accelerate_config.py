@@ -17,6 +17,7 @@ import yaml
 from _dist import run_isolated
 
 from fsdp_overlap_plugin import OverlapConfig, OverlapConfigError
+from fsdp_overlap_plugin.accelerate import adapter as accelerate_prepare
 from fsdp_overlap_plugin.accelerate import config as acfg
 from fsdp_overlap_plugin.accelerate import load_config, plugin_keys, prepare, use_gloo_on_cpu_only_launch
 from fsdp_overlap_plugin.accelerate.config import AccelerateSettings, ConfigSource, build_config, find_config_file
@@ -414,15 +415,21 @@ class FakeAccelerator:
         ),
     ],
 )
-def test_prepare_fails_before_touching_the_model(tmp_path, change, message):
+def test_prepare_fails_before_touching_the_model(tmp_path, monkeypatch, change, message):
     if "fsdp_overlap_activation_checkpointing" in change:
         change["fsdp_activation_checkpointing"] = True
     path = write(tmp_path, overlap_yaml_with(**change))
     model = gpt_small(n_layer=2)
     before = {n: p for n, p in model.named_parameters()}
+
+    def no_process_group_yet(*args, **kwargs):
+        raise AssertionError("prepare() reached the process group before checking the config")
+
+    monkeypatch.setattr(accelerate_prepare, "_ensure_process_group", no_process_group_yet)
+    monkeypatch.setattr(accelerate_prepare, "build_mesh", no_process_group_yet)
     with pytest.raises(OverlapConfigError, match=message):
         prepare(FakeAccelerator(), model, torch.optim.SGD(model.parameters(), lr=0.1), config=path)
-    assert dict(model.named_parameters()) == before and not torch.distributed.is_initialized()
+    assert dict(model.named_parameters()) == before
 
 
 def test_prepare_refuses_what_it_cannot_do(monkeypatch):

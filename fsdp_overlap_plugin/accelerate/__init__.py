@@ -17,8 +17,8 @@ also lets an FSDP launch on a CPU-only machine start real gloo ranks
 
 from __future__ import annotations
 
+from .adapter import Resolved, config_source, load_config, prepare, use_gloo_on_cpu_only_launch
 from .config import ENV_VAR, PREFIX, ConfigSource, find_config_file, plugin_keys
-from .prepare import Resolved, config_source, load_config, prepare, use_gloo_on_cpu_only_launch
 
 use_gloo_on_cpu_only_launch()
 
