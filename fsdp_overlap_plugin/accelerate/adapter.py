@@ -1,0 +1,399 @@
+"""``prepare(accelerator, model, optimizer, ...)``: ``accelerator.prepare`` with fsdp-overlap
+doing the model.
+
+Accelerate must not touch the model: its FSDP2 path would ``fully_shard`` it again, its
+DDP path (the only one it has on a CPU) would wrap it in ``DistributedDataParallel``,
+and its ``dynamo_config`` would compile it a second time. So the model goes through the
+core (``parallelize``: plan -> shard -> compile with the passes), is marked as prepared
+(Accelerate's own "do not wrap twice" flag), and only then handed to Accelerate, which
+registers it as it is. Optimizers, data loaders and schedulers go through Accelerate's
+usual ``prepare_*`` methods, in the order ``accelerator.prepare`` uses.
+
+Checkpoints: under ``distributed_type: FSDP`` (GPUs, NPUs) ``save_state`` /
+``load_state`` use Accelerate's FSDP2 code, which reads and writes DTensor models and
+optimizers through ``torch.distributed.checkpoint``. Elsewhere (a CPU launch, a DDP
+config) Accelerate writes ``model.state_dict()`` and ``optimizer.state_dict()`` from
+rank 0 only, which for sharded tensors would be rank 0's shards: there a save hook
+writes the full (gathered) model state in Accelerate's file, a load hook reads it back
+and re-shards it, and the optimizer's ``state_dict`` / ``load_state_dict`` return and
+accept the full, FQN-keyed state (``torch.distributed.checkpoint.state_dict``), so the
+files do not depend on the rank or the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import accelerators
+from ..compile import get_state
+from ..config import OverlapConfig, OverlapConfigError, suggest
+from ..parallelize import parallelize
+from ..plan import expand_pattern, resolve_plan
+from ..sharding import build_mesh, is_sharded, materialize
+from .config import (
+    AccelerateSettings,
+    ConfigSource,
+    accelerate_settings,
+    build_config,
+    field_for,
+    find_config_file,
+    read_config_file,
+    rename_error,
+)
+
+__all__ = ["Resolved", "config_source", "load_config", "prepare", "use_gloo_on_cpu_only_launch"]
+
+log = logging.getLogger("fsdp_overlap_plugin.accelerate")
+
+_SOURCE_ATTR = "_fsdp_overlap_config_source"
+_MODELS_ATTR = "_fsdp_overlap_models"
+
+
+# --------------------------------------------------------------------- CPU launches
+def use_gloo_on_cpu_only_launch() -> bool:
+    """Let ``accelerate launch`` with an FSDP config start real gloo ranks on a CPU-only
+    machine. Returns True if it changed anything.
+
+    There, the launcher does start ``--num_processes`` workers (through torchrun), but each
+    ``Accelerator`` then sees no GPU and, unless ``ACCELERATE_USE_CPU`` is set, takes itself
+    for a lone process (``distributed_type: NO``, no process group): every rank would
+    train alone. (``--cpu`` is no way out: it makes the launcher start one process.) So,
+    in a worker of such a launch on a machine without CUDA or NPU devices, this sets
+    ``ACCELERATE_USE_CPU=true`` before the ``Accelerator`` is created, which gives
+    ``MULTI_CPU`` with a gloo process group. It is called when
+    ``fsdp_overlap_plugin.accelerate`` is imported; an explicit ``ACCELERATE_USE_CPU`` in
+    the environment is left as it is.
+    """
+    env = os.environ
+    if env.get("ACCELERATE_USE_FSDP", "").lower() != "true" or "LOCAL_RANK" not in env:
+        return False
+    if "ACCELERATE_USE_CPU" in env:
+        return False
+    if accelerators.detect_device_type() != "cpu":
+        return False
+    env["ACCELERATE_USE_CPU"] = "true"
+    return True
+
+
+# ----------------------------------------------------------------- configuration
+@dataclasses.dataclass
+class Resolved:
+    """The configuration of one ``prepare`` call and where each part came from."""
+
+    config: OverlapConfig
+    source: ConfigSource
+    settings: AccelerateSettings
+    prefixed: bool = False
+    """True when the plugin keys were read as ``fsdp_overlap_*`` keys of an Accelerate YAML
+    (error messages then spell them that way)."""
+
+
+def _plain_values(config: OverlapConfig | dict) -> tuple[dict[str, Any], set[str]]:
+    """Values and the keys the user set, for a config given in code."""
+    if isinstance(config, OverlapConfig):
+        defaults = OverlapConfig().to_dict()
+        values = config.to_dict()
+        return values, {k for k, v in values.items() if v != defaults[k]}
+    values = {(field_for(str(k)) or k): v for k, v in config.items()}
+    return values, {k for k, v in values.items() if v is not None}
+
+
+def load_config(
+    accelerator: Any = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    *,
+    model: nn.Module | None = None,
+    **overrides: Any,
+) -> Resolved:
+    """The plugin's configuration for this worker (see ``fsdp_overlap_plugin.accelerate.config``
+    for where it is looked for), with Accelerate's shared keys applied. Pure: every rank
+    reads the same file and raises the same ``OverlapConfigError``.
+
+    ``config`` may be an ``OverlapConfig`` or a dict (used as they are), or a path to an
+    Accelerate YAML (plugin keys under ``fsdp_config``) or a plain plugin YAML."""
+    file = None
+    if isinstance(config, (OverlapConfig, dict)):
+        source = ConfigSource(None, "config= argument")
+        values, given = _plain_values(config)
+        prefixed = False
+    else:
+        source = find_config_file(config)
+        if source.path is not None:
+            file = read_config_file(source.path)
+            values = dict(file.plugin)
+            prefixed = file.accelerate_format
+        else:
+            values, prefixed = {}, False
+        given = {k for k, v in values.items() if v is not None}
+    values.update(overrides)
+    given |= set(overrides)
+    settings = accelerate_settings(accelerator, file)
+    config_obj = build_config(
+        values, given, settings, model=model, source=str(source.path) if source.path else "", prefixed=prefixed
+    )
+    return Resolved(config_obj, source, settings, prefixed)
+
+
+def config_source(model: nn.Module) -> ConfigSource | None:
+    """Where the configuration of a model prepared by ``prepare`` came from."""
+    return getattr(model, _SOURCE_ATTR, None)
+
+
+# ------------------------------------------------------------------------- prepare
+def prepare(
+    accelerator: Any,
+    *objects: Any,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    **overrides: Any,
+) -> Any:
+    """``accelerator.prepare(*objects)``, with the one model among ``objects`` sharded and
+    compiled by fsdp-overlap instead of wrapped by Accelerate. Returns the objects in the
+    same order (a single object if one was given), as ``accelerator.prepare`` does.
+
+    After it: the model is the same module object, its parameters ``DTensor`` shards, its
+    forward compiled with the passes; the optimizers hold the sharded parameters (create
+    them from ``model.parameters()`` before or after this call); the data loaders are
+    sharded by Accelerate; ``accelerator.backward``, ``accelerator.clip_grad_norm_``,
+    ``save_state`` and ``load_state`` work. Configuration errors are raised on every rank
+    before any collective. ``config`` / ``overrides``: see ``load_config``.
+    """
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    if len(models) != 1:
+        raise ValueError(
+            f"fsdp_overlap_plugin.accelerate.prepare: pass exactly one model (got {len(models)}); "
+            "prepare further models with further calls."
+        )
+    model = models[0]
+    if is_sharded(model) or get_state(model) is not None:
+        raise ValueError("fsdp_overlap_plugin.accelerate.prepare: this model is already prepared.")
+    _check_accelerator(accelerator)
+
+    resolved = load_config(accelerator, config, model=model, **overrides)
+    cfg, source = resolved.config, resolved.source
+    prefixed = resolved.prefixed
+    where = str(source.path) if source.path else ""
+    try:
+        # Pure checks: a wrong module name fails here, on every rank, before any collective.
+        resolve_plan(model, cfg)
+        _check_checkpointed_modules(model, cfg.activation_checkpointing)
+    except OverlapConfigError as exc:
+        raise rename_error(exc, where, prefixed) from None
+
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    for opt in optimizers:
+        if opt.state:
+            raise ValueError(
+                "fsdp_overlap_plugin.accelerate.prepare: the optimizer already has state; call prepare() "
+                "before the first optimizer step."
+            )
+    old_names = {id(p): name for name, p in model.named_parameters()}
+
+    device = accelerator.device
+    if device.type not in accelerators.BACKENDS:
+        raise RuntimeError(
+            f"fsdp-overlap runs on {', '.join(accelerators.BACKENDS)}; the Accelerator's device is {device}."
+        )
+    _ensure_process_group(device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if resolved.settings.sync_module_states and not on_meta and dist.get_world_size() > 1:
+        _broadcast_from_rank0(model, device)
+    try:
+        parallelize(model, cfg, mesh=build_mesh(cfg, device.type))
+    except OverlapConfigError as exc:
+        raise rename_error(exc, where, prefixed) from None
+    if on_meta:
+        materialize(model, device)
+    _switch_optimizer_params(optimizers, old_names, model)
+
+    model._is_accelerate_prepared = True  # Accelerate's own flag: register the model, never wrap it
+    setattr(model, _SOURCE_ATTR, source)
+    prepared = _prepare_with_accelerate(accelerator, model, objects)
+    _install_checkpointing(accelerator, model, prepared)
+    if accelerator.is_main_process:
+        if source.path is None and config is None:
+            log.warning("fsdp-overlap: %s: using the defaults and Accelerate's settings.", source)
+        log.info("fsdp-overlap: configuration from %s; plan of %d buckets", source, len(get_state(model).plan))
+    return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+
+def _check_checkpointed_modules(model: nn.Module, patterns: list[str]) -> None:
+    """The check ``parallelize`` makes when it applies activation checkpointing, made
+    earlier: it runs after the mesh (a collective) is built."""
+    names = [n for n, _ in model.named_modules() if n]
+    for i, pattern in enumerate(patterns):
+        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
+        if not found or found[0] not in set(names):
+            raise OverlapConfigError(
+                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
+            )
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA):
+        raise RuntimeError(
+            f"fsdp-overlap replaces Accelerate's FSDP; it cannot run under distributed_type {kind.value}. "
+            "Use distributed_type: FSDP (see configs/overlap.yaml)."
+        )
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    if parallelism is not None and (
+        getattr(parallelism, "tp_enabled", False) or getattr(parallelism, "cp_enabled", False)
+    ):
+        raise RuntimeError("fsdp-overlap shards over data-parallel ranks only; remove tp/cp from parallelism_config.")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise RuntimeError(
+            f"the launcher started {launched} processes but Accelerate sees {accelerator.num_processes} "
+            f"(distributed_type {accelerator.distributed_type.value}), so each rank would train alone. On a "
+            "machine without GPUs or NPUs Accelerate sets up gloo ranks only with ACCELERATE_USE_CPU=true: import "
+            "fsdp_overlap_plugin.accelerate before creating the Accelerator (it sets this for FSDP launches), or "
+            "launch with `ACCELERATE_USE_CPU=true accelerate launch --config_file ...`."
+        )
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """A single process (``python train.py``) has no process group; sharding over one rank
+    still needs one."""
+    if dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("fsdp-overlap: several processes were launched but no process group is initialised.")
+    dist.init_process_group(accelerators.backend_for(device.type), store=dist.HashStore(), rank=0, world_size=1)
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module, device: torch.device) -> None:
+    """Accelerate's ``fsdp_sync_module_states``: every rank starts from rank 0's weights
+    (each rank keeps only its shard of them, so they must agree)."""
+    if device.type != "cpu":
+        model.to(device)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
+def _switch_optimizer_params(optimizers: list, old_names: dict[int, str], model: nn.Module) -> None:
+    """Point optimizers created before sharding at the sharded parameters (same FQN)."""
+    new = dict(model.named_parameters())
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["params"] = [new[old_names[id(p)]] if id(p) in old_names else p for p in group["params"]]
+
+
+def _prepare_with_accelerate(accelerator: Any, model: nn.Module, objects: tuple) -> list:
+    """What ``accelerator.prepare`` does for each object (first data loaders, the model and
+    optimizers, then schedulers, which need the prepared optimizers), without its FSDP2
+    branch, which would shard the model again."""
+    from torch.optim.lr_scheduler import LRScheduler
+    from torch.utils.data import DataLoader
+
+    result: list = []
+    for obj in objects:
+        if obj is model:
+            result.append(accelerator.prepare_model(obj))
+        elif isinstance(obj, DataLoader):
+            result.append(accelerator.prepare_data_loader(obj))
+        elif isinstance(obj, torch.optim.Optimizer):
+            result.append(accelerator.prepare_optimizer(obj))
+        else:
+            result.append(obj)
+    result = [accelerator.prepare_scheduler(o) if isinstance(o, LRScheduler) else o for o in result]
+    for item in result:
+        if any(item is x for x in (*accelerator._dataloaders, *accelerator._optimizers, *accelerator._schedulers)):
+            item._is_accelerate_prepared = True
+    return result
+
+
+# ------------------------------------------------------------------- checkpoints
+class _AlreadyLoaded(nn.Module):
+    """Stands in, in ``load_state``'s list of models, for a model the load hook has
+    already loaded: Accelerate skips it, and the models after it keep their file index."""
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):  # noqa: ARG002
+        return nn.modules.module._IncompatibleKeys([], [])
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _full_model_state(model: nn.Module) -> dict:
+    """The gathered state dict on rank 0 (empty elsewhere); tied weights as separate
+    tensors, because safetensors refuses shared storage."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_full_options())
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            ptr = value.untyped_storage().data_ptr() if value.numel() else -1
+            if ptr in seen:
+                value = value.clone()
+            seen.add(ptr)
+        out[key] = value
+    return out
+
+
+def _weights_file(input_dir: str | os.PathLike, index: int) -> Path:
+    from accelerate.utils.constants import MODEL_NAME, SAFE_MODEL_NAME
+
+    ending = f"_{index}" if index > 0 else ""
+    safe = Path(input_dir) / f"{SAFE_MODEL_NAME}{ending}.safetensors"
+    return safe if safe.exists() else Path(input_dir) / f"{MODEL_NAME}{ending}.bin"
+
+
+def _load_full_model_state(model: nn.Module, path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    # Every rank read the whole file, so each can take its own shard: no broadcast.
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) -> None:
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import DistributedType
+    from torch.distributed.checkpoint.state_dict import _patch_optimizer_state_dict
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return  # Accelerate's FSDP2 save/load (torch.distributed.checkpoint) handles DTensor models
+    ours: list = accelerator.__dict__.setdefault(_MODELS_ATTR, [])
+    if not ours:
+
+        def save_hook(models: list, weights: list, output_dir: str) -> None:
+            for i, m in enumerate(models):
+                if any(m is o for o in ours):
+                    weights[i] = _full_model_state(m)
+
+        def load_hook(models: list, input_dir: str) -> None:
+            for i, m in enumerate(models):
+                if any(m is o for o in ours):
+                    _load_full_model_state(m, _weights_file(input_dir, i))
+                    models[i] = _AlreadyLoaded()
+
+        accelerator.register_save_state_pre_hook(save_hook)
+        accelerator.register_load_state_pre_hook(load_hook)
+    ours.append(model)
+    for obj in prepared:
+        if isinstance(obj, (AcceleratedOptimizer, torch.optim.Optimizer)):
+            inner = obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj
+            # torch's own helper: state_dict() gathers the full FQN-keyed state (rank 0),
+            # load_state_dict() takes it and keeps this rank's shard.
+            _patch_optimizer_state_dict(model, optimizers=(inner,), options=_full_options())

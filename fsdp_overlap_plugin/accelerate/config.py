@@ -1,0 +1,539 @@
+"""Find the plugin's settings in an Accelerate job and turn them into an ``OverlapConfig``.
+
+The settings live in the same YAML that is given to ``accelerate launch``, under
+``fsdp_config`` as ``fsdp_overlap_<field>`` keys (one per ``OverlapConfig`` field). Two
+facts about Accelerate 1.15 shape this module: the launcher drops unknown ``fsdp_config``
+keys without a word (they never reach the workers), and it does not tell the workers
+which file it read. So each worker reads the file itself, found in this order:
+
+1. the ``config=`` argument given in code (``prepare(accelerator, ..., config=...)``);
+2. the ``FSDP_OVERLAP_CONFIG`` environment variable;
+3. the ``--config_file`` (or ``--config-file``) of the ``accelerate launch`` process that
+   started this one, read from its command line (``/proc/<pid>/cmdline``; ``psutil``
+   where there is no ``/proc``), relative to that process's working directory; if that
+   launcher was given no ``--config_file``, Accelerate's default config file, as the
+   launcher itself does.
+
+If none applies (``python train.py``, ``torchrun``), the plugin runs with its defaults and
+says so once. Accelerate's own keys that mean the same thing are read too, from what
+Accelerate applies in the worker (the ``Accelerator``, the ``FSDP_*`` variables the
+launcher exports, which include command-line overrides), or else from the YAML:
+
+    mixed_precision               -> param_dtype (bf16, fp16; "no" leaves dtypes alone)
+    fsdp_reshard_after_forward    -> reshard_after_forward
+    fsdp_activation_checkpointing -> activation_checkpointing (true: each repeated block)
+
+Accelerate's key decides; an ``fsdp_overlap_*`` key that contradicts it is an error
+naming both, so the two can never disagree. Everything here is pure (no process
+group), so every rank raises the same error before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, suggest
+
+__all__ = [
+    "ENV_VAR",
+    "PREFIX",
+    "AccelerateSettings",
+    "ConfigSource",
+    "accelerate_settings",
+    "build_config",
+    "field_for",
+    "find_config_file",
+    "key_for",
+    "launch_args",
+    "launcher_config_file",
+    "plugin_keys",
+    "read_config_file",
+]
+
+PREFIX = "fsdp_overlap_"
+ENV_VAR = "FSDP_OVERLAP_CONFIG"
+
+# How many ancestors to look through for the `accelerate launch` process (the workers are
+# its direct children; a wrapper such as `bash -c` or `srun` adds a level or two).
+_MAX_ANCESTORS = 6
+
+
+def key_for(name: str) -> str:
+    """The ``fsdp_config`` key of an ``OverlapConfig`` field: ``fsdp_overlap_<field>``,
+    without saying "overlap" twice (``overlap_grad_reduce`` -> ``fsdp_overlap_grad_reduce``)."""
+    return "fsdp_" + name if name.startswith("overlap_") else PREFIX + name
+
+
+def plugin_keys() -> list[str]:
+    """The ``fsdp_config`` keys of the plugin, one per ``OverlapConfig`` field, in field order."""
+    return [key_for(f.name) for f in dataclasses.fields(OverlapConfig)]
+
+
+def field_for(key: str) -> str | None:
+    """The ``OverlapConfig`` field a ``fsdp_config`` key sets, or None."""
+    return {key_for(f.name): f.name for f in dataclasses.fields(OverlapConfig)}.get(key)
+
+
+# ------------------------------------------------------------------ finding the file
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the plugin's settings came from: a file (or None) and how it was found."""
+
+    path: Path | None
+    found_by: str
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.found_by})" if self.path else self.found_by
+
+
+def launch_args(argv: list[str]) -> list[str] | None:
+    """The arguments after ``launch`` if ``argv`` is an ``accelerate launch`` command line
+    (``accelerate launch``, ``accelerate-launch``, ``python -m accelerate.commands.launch``
+    or ``python -m accelerate.commands.accelerate_cli launch``), else None."""
+    for i, token in enumerate(argv):
+        base = os.path.basename(token)
+        if base in ("accelerate", "accelerate_cli.py") or token == "accelerate.commands.accelerate_cli":
+            if i + 1 < len(argv) and argv[i + 1] == "launch":
+                return argv[i + 2 :]
+            return None
+        if base in ("accelerate-launch",) or token == "accelerate.commands.launch":
+            return argv[i + 1 :]
+    return None
+
+
+def _config_file_in(args: list[str]) -> tuple[str | None, bool]:
+    """``(--config_file value or None, --cpu given)`` as Accelerate's own parser reads
+    ``args``: it knows which options take values and where the training script starts."""
+    import contextlib
+    import io
+
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed, _ = launch_command_parser().parse_known_args(args)
+    except SystemExit:  # not something the launcher would have accepted either
+        return None, False
+    return parsed.config_file, bool(getattr(parsed, "cpu", False))
+
+
+def _default_accelerate_config() -> Path | None:
+    from accelerate.commands.config import default_config_file
+
+    path = Path(default_config_file)
+    return path if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class _Process:
+    argv: list[str]
+    cwd: Path | None
+    ppid: int
+
+
+def _read_process(pid: int) -> _Process | None:
+    """A process's command line, working directory and parent, from /proc, else psutil."""
+    proc = Path("/proc") / str(pid)
+    if proc.is_dir():
+        try:
+            argv = [a for a in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")]
+            while argv and argv[-1] == "":
+                argv.pop()
+            stat = (proc / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
+            try:
+                cwd: Path | None = Path(os.readlink(proc / "cwd"))
+            except OSError:
+                cwd = None
+            return _Process(argv, cwd, ppid)
+        except (OSError, ValueError, IndexError):
+            return None
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        try:
+            cwd = Path(p.cwd())
+        except psutil.Error:
+            cwd = None
+        return _Process(p.cmdline(), cwd, p.ppid())
+    except Exception:  # psutil missing, or the process is gone / not ours to read
+        return None
+
+
+def launcher_config_file(pid: int | None = None, *, read_process=_read_process) -> ConfigSource | None:
+    """The config file of the ``accelerate launch`` process that started this one (looking
+    through up to six ancestors), or None if no ancestor is an ``accelerate launch``."""
+    pid = os.getppid() if pid is None else pid
+    for _ in range(_MAX_ANCESTORS):
+        if pid <= 1:
+            return None
+        info = read_process(pid)
+        if info is None:
+            return None
+        args = launch_args(info.argv)
+        if args is not None:
+            value, cpu = _config_file_in(args)
+            if value is None:
+                # What the launcher did: Accelerate's default config file, unless --cpu.
+                default = None if cpu else _default_accelerate_config()
+                if default is None:
+                    return ConfigSource(None, f"accelerate launch (pid {pid}) was given no --config_file")
+                return ConfigSource(default, f"Accelerate's default config, used by accelerate launch (pid {pid})")
+            path = Path(os.path.expanduser(value))
+            if not path.is_absolute() and info.cwd is not None:
+                path = info.cwd / path
+            return ConfigSource(path, f"--config_file of accelerate launch (pid {pid})")
+        pid = info.ppid
+    return None
+
+
+def find_config_file(explicit: str | os.PathLike | None = None, *, read_process=_read_process) -> ConfigSource:
+    """The plugin's config file, in the documented order: ``explicit``, then
+    ``$FSDP_OVERLAP_CONFIG``, then the ``--config_file`` of the ``accelerate launch`` that
+    started this process. ``ConfigSource(None, reason)`` when there is none."""
+    if explicit is not None:
+        return ConfigSource(Path(explicit), "config= argument")
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return ConfigSource(Path(os.path.expanduser(env)), f"${ENV_VAR}")
+    found = launcher_config_file(read_process=read_process)
+    if found is not None and found.path is not None:
+        return found
+    reason = found.found_by if found is not None else "not started by accelerate launch"
+    return ConfigSource(None, f"no config file ({reason}; no config= argument, ${ENV_VAR} unset)")
+
+
+# ----------------------------------------------------------------- reading the file
+@dataclass
+class FileSettings:
+    """What one YAML file says: the plugin's values (unprefixed keys) and Accelerate's
+    keys that the plugin also reads. ``accelerate_format`` is False for a plain plugin
+    YAML (``configs/plugin.yaml``: the ``OverlapConfig`` keys at top level)."""
+
+    plugin: dict[str, Any]
+    accelerate: dict[str, Any]
+    source: str
+    accelerate_format: bool
+
+
+def _known_accelerate_fsdp_keys() -> set[str]:
+    from accelerate.commands.launch import launch_command_parser
+
+    keys = {a.dest for a in launch_command_parser()._actions if a.dest.startswith("fsdp_")}
+    return keys | {"fsdp_ignored_modules"}  # read by the launcher through getattr, not an option
+
+
+def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
+    """Separate an Accelerate config mapping into the plugin's keys and Accelerate's."""
+    names = [f.name for f in dataclasses.fields(OverlapConfig)]
+    misplaced = [k for k in data if str(k).startswith(PREFIX) or k in names]
+    if misplaced:
+        raise OverlapConfigError(
+            f"{source}: {misplaced[0]!r} is a top-level key; fsdp-overlap keys go under fsdp_config as "
+            f"fsdp_overlap_<name> (accelerate launch rejects unknown top-level keys)."
+        )
+    fsdp = data.get("fsdp_config") or {}
+    if not isinstance(fsdp, dict):
+        raise OverlapConfigError(f"{source}: fsdp_config: expected a mapping, got {type(fsdp).__name__}.")
+    known = _known_accelerate_fsdp_keys()
+    plugin: dict[str, Any] = {}
+    accelerate: dict[str, Any] = {}
+    for raw_key, value in fsdp.items():
+        key = str(raw_key)
+        if not key.startswith("fsdp"):  # the launcher reads `foo` in fsdp_config as `fsdp_foo`
+            key = "fsdp_" + key
+        if key.startswith(PREFIX):
+            name = field_for(key)
+            if name is None:
+                raise OverlapConfigError(
+                    f"{source}: fsdp_config.{raw_key}: unknown fsdp-overlap key.{suggest(key, plugin_keys())} "
+                    f"Valid keys: {', '.join(plugin_keys())}."
+                )
+            plugin[name] = value
+        elif key in known:
+            accelerate[key] = value
+        else:
+            # Accelerate would drop it silently, and so would we: say so instead.
+            raise OverlapConfigError(
+                f"{source}: fsdp_config.{raw_key}: unknown key (neither an Accelerate FSDP key nor an "
+                f"fsdp-overlap key; accelerate launch would drop it silently).{suggest(key, sorted(known) + plugin_keys())}"
+            )
+    if "mixed_precision" in data:
+        accelerate["mixed_precision"] = data["mixed_precision"]
+    dynamo = data.get("dynamo_config") or {}
+    if isinstance(dynamo, dict) and dynamo.get("dynamo_backend") is not None:
+        accelerate["dynamo_backend"] = dynamo["dynamo_backend"]
+    elif data.get("dynamo_backend") is not None:  # the older spelling Accelerate still reads
+        accelerate["dynamo_backend"] = data["dynamo_backend"]
+    if "distributed_type" in data:
+        accelerate["distributed_type"] = data["distributed_type"]
+    return FileSettings(plugin, accelerate, source, accelerate_format=True)
+
+
+def read_config_file(path: str | os.PathLike) -> FileSettings:
+    """Read an Accelerate YAML (plugin keys under ``fsdp_config``) or a plain plugin YAML."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise OverlapConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}.")
+    if {"distributed_type", "fsdp_config", "compute_environment"} & set(data):
+        return split_accelerate_yaml(data, str(path))
+    return FileSettings(dict(data), {}, str(path), accelerate_format=False)
+
+
+# --------------------------------------------------- what Accelerate applies in this worker
+@dataclass
+class AccelerateSettings:
+    """Accelerate's settings that the plugin also reads, each with where it came from.
+    None means Accelerate has no opinion (not launched with an FSDP config, no YAML)."""
+
+    mixed_precision: str | None = None
+    reshard_after_forward: bool | None = None
+    activation_checkpointing: bool | None = None
+    sync_module_states: bool | None = None
+    fsdp_version: int | None = None
+    offload_params: bool | None = None
+    dynamo_backend: str | None = None
+    where: dict[str, str] = field(default_factory=dict)
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(getattr(value, "name", value)).strip().lower()  # FSDP1 ShardingStrategy enums too
+    if text in ("true", "1", "yes", "y", "on"):
+        return True
+    if text in ("false", "0", "no", "n", "off"):
+        return False
+    # FSDP1 spellings of fsdp_reshard_after_forward
+    if key == "fsdp_reshard_after_forward" and text in ("full_shard", "1"):
+        return True
+    if key == "fsdp_reshard_after_forward" and text in ("shard_grad_op", "no_shard", "no_reshard"):
+        return False
+    raise OverlapConfigError(f"{key}: expected true or false, got {value!r}.")
+
+
+def accelerate_settings(accelerator: Any = None, file: FileSettings | None = None) -> AccelerateSettings:
+    """Accelerate's view of the keys the plugin shares with it, most authoritative first:
+    the live ``Accelerator`` (its mixed precision, its FSDP plugin where it made one), then
+    the ``FSDP_*`` / ``ACCELERATE_*`` variables ``accelerate launch`` exported to this
+    worker (they include command-line overrides), then the YAML file."""
+    s = AccelerateSettings()
+    env = os.environ
+    fsdp_env = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    state = getattr(accelerator, "state", None) if accelerator is not None else None
+    fsdp_plugin = getattr(state, "fsdp_plugin", None) if state is not None and hasattr(state, "fsdp_plugin") else None
+    yaml_values = file.accelerate if file is not None else {}
+    yaml_where = file.source if file is not None else ""
+
+    def pick(attr: str, yaml_key: str, env_key: str, plugin_attr: str | None, convert) -> None:
+        if fsdp_plugin is not None and plugin_attr is not None and getattr(fsdp_plugin, plugin_attr, None) is not None:
+            setattr(s, attr, convert(getattr(fsdp_plugin, plugin_attr), yaml_key))
+            s.where[attr] = f"Accelerate's FSDP plugin ({yaml_key})"
+        elif fsdp_env and env_key in env:
+            setattr(s, attr, convert(env[env_key], yaml_key))
+            s.where[attr] = f"{yaml_key}, as accelerate launch passed it (${env_key})"
+        elif yaml_key in yaml_values:
+            setattr(s, attr, convert(yaml_values[yaml_key], yaml_key))
+            s.where[attr] = f"{yaml_key} in {yaml_where}"
+
+    pick(
+        "reshard_after_forward",
+        "fsdp_reshard_after_forward",
+        "FSDP_RESHARD_AFTER_FORWARD",
+        "reshard_after_forward",
+        _as_bool,
+    )
+    pick(
+        "activation_checkpointing",
+        "fsdp_activation_checkpointing",
+        "FSDP_ACTIVATION_CHECKPOINTING",
+        "activation_checkpointing",
+        _as_bool,
+    )
+    pick("sync_module_states", "fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", "sync_module_states", _as_bool)
+    pick("fsdp_version", "fsdp_version", "FSDP_VERSION", "fsdp_version", lambda v, k: int(v))
+    pick("offload_params", "fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", None, _as_bool)
+
+    if accelerator is not None:
+        s.mixed_precision = str(accelerator.mixed_precision)
+        s.where["mixed_precision"] = "mixed_precision of the Accelerator"
+        backend = getattr(getattr(state, "dynamo_plugin", None), "backend", None)
+        if backend is not None:
+            s.dynamo_backend = str(getattr(backend, "value", backend))
+            s.where["dynamo_backend"] = "dynamo_config.dynamo_backend of the Accelerator"
+    else:
+        if "ACCELERATE_MIXED_PRECISION" in env:
+            s.mixed_precision = env["ACCELERATE_MIXED_PRECISION"]
+            s.where["mixed_precision"] = "mixed_precision, as accelerate launch passed it"
+        elif "mixed_precision" in yaml_values:
+            s.mixed_precision = str(yaml_values["mixed_precision"])
+            s.where["mixed_precision"] = f"mixed_precision in {yaml_where}"
+        if "ACCELERATE_DYNAMO_BACKEND" in env:
+            s.dynamo_backend = env["ACCELERATE_DYNAMO_BACKEND"]
+            s.where["dynamo_backend"] = "dynamo_backend, as accelerate launch passed it"
+        elif "dynamo_backend" in yaml_values:
+            s.dynamo_backend = str(yaml_values["dynamo_backend"])
+            s.where["dynamo_backend"] = f"dynamo_config.dynamo_backend in {yaml_where}"
+    if s.mixed_precision is not None:
+        s.mixed_precision = s.mixed_precision.strip().lower()
+    return s
+
+
+# ------------------------------------------------------------- building the config
+_MIXED_PRECISION = {"no": None, "bf16": "bf16", "fp16": "fp16"}
+
+
+def _key(name: str, prefixed: bool) -> str:
+    return f"fsdp_config.{key_for(name)}" if prefixed else name
+
+
+def _rename_keys(message: str, prefixed: bool) -> str:
+    """Core messages start with the field name ("bucket_plans[2]: ..."); a YAML user
+    wrote ``fsdp_overlap_bucket_plans``, so say that."""
+    if not prefixed:
+        return message
+    names = sorted((f.name for f in dataclasses.fields(OverlapConfig)), key=len, reverse=True)
+    for name in names:
+        if re.match(rf"{re.escape(name)}(?=[:\[.\s])", message):
+            return f"fsdp_config.{key_for(name)}{message[len(name) :]}"
+    return message
+
+
+def rename_error(exc: OverlapConfigError, source: str, prefixed: bool) -> OverlapConfigError:
+    """The same error, with the key spelled as the user wrote it and the file named."""
+    message = _rename_keys(str(exc), prefixed)
+    if source and not message.startswith(source):
+        message = f"{source}: {message}"
+    return OverlapConfigError(message)
+
+
+def build_config(
+    values: dict[str, Any],
+    given: set[str],
+    settings: AccelerateSettings,
+    *,
+    model: Any = None,
+    source: str = "",
+    prefixed: bool = True,
+) -> OverlapConfig:
+    """The ``OverlapConfig`` for this job: ``values`` (plugin keys, unprefixed), with
+    Accelerate's shared keys applied. ``given`` are the keys the user actually set (only
+    those can contradict Accelerate). ``model`` is needed only to turn
+    ``fsdp_activation_checkpointing: true`` into the model's repeated blocks."""
+    values = dict(values)
+
+    def conflict(name: str, ours: Any, theirs: str, fix: str) -> OverlapConfigError:
+        return OverlapConfigError(
+            f"{source + ': ' if source else ''}{_key(name, prefixed)} is {ours!r} but Accelerate's {theirs}; "
+            f"the two must agree. {fix}"
+        )
+
+    if settings.fsdp_version is not None and settings.fsdp_version != 2:
+        raise OverlapConfigError(
+            f"{source + ': ' if source else ''}fsdp_config.fsdp_version is {settings.fsdp_version} "
+            f"({settings.where.get('fsdp_version')}); fsdp-overlap keeps FSDP2's parameter layout: set fsdp_version: 2."
+        )
+    if settings.offload_params:
+        raise OverlapConfigError(
+            f"{source + ': ' if source else ''}fsdp_config.fsdp_offload_params is true "
+            f"({settings.where.get('offload_params')}); fsdp-overlap does not offload parameters to the CPU: "
+            "set fsdp_offload_params: false."
+        )
+    if settings.dynamo_backend is not None and settings.dynamo_backend.upper() != "NO":
+        raise OverlapConfigError(
+            f"{source + ': ' if source else ''}dynamo_config.dynamo_backend is {settings.dynamo_backend!r} "
+            f"({settings.where.get('dynamo_backend')}); fsdp-overlap compiles the model itself "
+            f"({_key('compile', prefixed)}, {_key('backend', prefixed)}): remove dynamo_config or set "
+            "dynamo_backend: 'NO'."
+        )
+
+    # mixed_precision -> param_dtype
+    mp = settings.mixed_precision
+    if mp is not None:
+        if mp not in _MIXED_PRECISION:
+            raise OverlapConfigError(
+                f"{source + ': ' if source else ''}mixed_precision {mp!r} ({settings.where.get('mixed_precision')}) "
+                f"is not supported by fsdp-overlap; valid: {', '.join(_MIXED_PRECISION)}."
+                f"{suggest(mp, list(_MIXED_PRECISION))}"
+            )
+        wanted = _MIXED_PRECISION[mp]
+        ours = values.get("param_dtype")
+        if "param_dtype" in given and ours is not None:
+            try:
+                ours_name = dtype_name(parse_dtype(ours, _key("param_dtype", prefixed)))
+            except OverlapConfigError as exc:
+                raise rename_error(exc, source, False) from None
+            agrees = ours_name == wanted if wanted is not None else ours_name == "fp32"
+            if not agrees:
+                raise conflict(
+                    "param_dtype",
+                    ours,
+                    f"mixed_precision is {mp!r} ({settings.where.get('mixed_precision')})",
+                    f"Set mixed_precision to {ours_name!r}, or remove {_key('param_dtype', prefixed)} "
+                    "(it follows mixed_precision).",
+                )
+        if wanted is not None:
+            values["param_dtype"] = wanted
+
+    # fsdp_reshard_after_forward -> reshard_after_forward
+    if settings.reshard_after_forward is not None:
+        theirs = settings.reshard_after_forward
+        if "reshard_after_forward" in given and values.get("reshard_after_forward") != theirs:
+            raise conflict(
+                "reshard_after_forward",
+                values.get("reshard_after_forward"),
+                f"fsdp_reshard_after_forward is {str(theirs).lower()} ({settings.where.get('reshard_after_forward')})",
+                f"Set both to the same value (fsdp_reshard_after_forward decides; {_key('reshard_after_forward', prefixed)} "
+                "may be left out).",
+            )
+        values["reshard_after_forward"] = theirs
+
+    # fsdp_activation_checkpointing -> activation_checkpointing
+    if settings.activation_checkpointing is not None:
+        ours_ac = values.get("activation_checkpointing") or []
+        if isinstance(ours_ac, str):
+            ours_ac = [ours_ac]
+        where = settings.where.get("activation_checkpointing")
+        if not settings.activation_checkpointing and ours_ac:
+            raise conflict(
+                "activation_checkpointing",
+                ours_ac,
+                f"fsdp_activation_checkpointing is false ({where})",
+                "Set fsdp_activation_checkpointing: true to checkpoint these modules.",
+            )
+        if settings.activation_checkpointing and not ours_ac:
+            if model is None:
+                raise OverlapConfigError(
+                    "fsdp_activation_checkpointing: true needs the model to find its repeated blocks."
+                )
+            from ..plan import find_repeated_blocks
+
+            blocks = find_repeated_blocks(model)
+            if blocks is None:
+                raise OverlapConfigError(
+                    f"{source + ': ' if source else ''}fsdp_activation_checkpointing is true ({where}) but the model "
+                    f"has no repeated blocks to checkpoint; list the modules in {_key('activation_checkpointing', prefixed)}."
+                )
+            values["activation_checkpointing"] = blocks[1]
+
+    try:
+        where = (f"{source}: fsdp_config" if source else "fsdp_config") if prefixed else (source or "config")
+        return OverlapConfig.from_dict(values, source=where)
+    except OverlapConfigError as exc:
+        raise rename_error(exc, source, prefixed) from None

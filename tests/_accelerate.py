@@ -1,0 +1,93 @@
+"""Helpers for tests that run the real ``accelerate launch`` command on examples/accelerate_train.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "accelerate_train.py"
+OVERLAP_YAML = ROOT / "configs" / "overlap.yaml"
+
+# Example settings the core reference run must repeat (see examples/accelerate_train.py).
+BATCH_PER_RANK = 4
+SEQ = 32
+LR = 3e-3
+MAX_GRAD_NORM = 1.0
+MODEL = dict(n_layer=4, d_model=64, block_size=SEQ)
+
+
+def accelerate_launch(config: str | Path, *script_args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file CONFIG --num_processes 2 examples/accelerate_train.py ARGS``,
+    run from the repository root as a user would, with no CPU override in the environment."""
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [
+        str(accelerate),
+        "launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        "2",
+        str(EXAMPLE.relative_to(ROOT)),
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in ("ACCELERATE_USE_CPU", "FSDP_OVERLAP_CONFIG", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    return subprocess.run(
+        [*cmd, *script_args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+def copy_yaml(path: Path, **fsdp_changes) -> Path:
+    """configs/overlap.yaml with some ``fsdp_config`` keys changed, written to ``path``."""
+    data = yaml.safe_load(OVERLAP_YAML.read_text())
+    data["fsdp_config"].update(fsdp_changes)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def rank_lines(text: str) -> dict[int, tuple[int, int]]:
+    """``{rank: (local elements, total elements)}`` from the example's per-rank line."""
+    found = re.findall(
+        r"\[rank (\d+)/2\] .* GPT not wrapped, holds (\d+) of (\d+) parameter elements \(DTensor shards\)", text
+    )
+    return {int(r): (int(local), int(total)) for r, local, total in found}
+
+
+def core_reference(rank: int, world: int, steps: int, backend: str) -> list[float]:
+    """examples/accelerate_train.py's training, through the core ``parallelize()`` and plain
+    torch calls (no Accelerate): same seed, model, data split, optimizer and clipping."""
+    import torch
+    import torch.distributed as dist
+
+    import fsdp_overlap_plugin as fo
+    from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+
+    torch.manual_seed(0)
+    model = fo.parallelize(gpt_small(**MODEL), fo.OverlapConfig(backend=backend))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    two = fixed_batches(2, BATCH_PER_RANK * world, SEQ, model.cfg.vocab_size)
+    losses = []
+    for step in range(steps):
+        x, y = two[step % 2]
+        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        loss = loss_fn(model(x[mine]), y[mine])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append((value / world).item())
+    return losses
