@@ -2,7 +2,7 @@
 with the overlap passes, trained for a few steps; rank 0 prints the schedule summary.
 
     make demo                                     # sets everything up, then runs this
-    torchrun --standalone --nproc-per-node 2 examples/gpt_demo.py [--backend aot_eager]
+    torchrun --standalone --nproc-per-node 2 examples/gpt_demo.py [--backend aot_eager] [--report-json r.json]
     python examples/gpt_demo.py                   # re-launches itself under torchrun
 """
 
@@ -38,6 +38,7 @@ from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn  # noqa
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+parser.add_argument("--report-json", help="write the schedule report here (read it with `fsdp-overlap explain`)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # two ranks share a small machine
@@ -64,6 +65,13 @@ for step in range(STEPS):
         print(f"step {step}: loss {loss.item():.4f}  {time.perf_counter() - start:.2f} s{note}", flush=True)
 
 if rank == 0:
+    report = fo.schedule_report(model)
     print()
-    print(fo.format_report(fo.schedule_report(model)))
+    print(fo.format_report(report))
+    if args.report_json:
+        import json
+
+        with open(args.report_json, "w") as f:
+            json.dump(report, f)
+        print(f"report written to {args.report_json}")
 dist.destroy_process_group()

@@ -276,13 +276,7 @@ def format_report(report: dict[str, Any]) -> str:
         if record is None:
             lines.append(f"  {kind:<9} (not compiled yet)")
             continue
-        notes = []
-        for name, stats in record.get("passes", {}).items():
-            if isinstance(stats, dict):
-                shown = ", ".join(
-                    f"{k}={v}" for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                )
-                notes.append(f"{name}({shown})" if shown else name)
+        notes = [summarize_pass(name, stats) for name, stats in record.get("passes", {}).items()]
         if record.get("from_cache"):
             notes.append("[from FX graph cache]")
         lines.append(
