@@ -77,7 +77,13 @@ class OverlapState:
     @property
     def passes_on(self) -> bool:
         """Whether any post-grad pass has work to do."""
-        return self.config.manual_bucketing or self.config.overlap_grad_reduce or self.gather_group is not None
+        config = self.config
+        return (
+            config.manual_bucketing
+            or config.overlap_grad_reduce
+            or config.reduce_scatter_impl != "native"
+            or self.gather_group is not None
+        )
 
 
 def get_state(model: nn.Module) -> OverlapState | None:
@@ -137,6 +143,8 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState) -> dict:
     if config.overlap_grad_reduce and kind == "backward":
         passes.overlap_grad_reduce(gm, recompile=False)
         record["passes"]["overlap_grad_reduce"] = gm.meta.get("fsdp_overlap", {}).get("overlap_grad_reduce", {})
+    if config.reduce_scatter_impl == "all_to_all" and kind == "backward":
+        record["passes"]["all_to_all"] = passes.reduce_scatter_as_all_to_all(gm, recompile=False)
     if config.backend == "inductor" and (config.manual_bucketing or config.overlap_grad_reduce):
         # after every reordering: turn the final order into dependencies inductor keeps
         record["passes"]["pin_order"] = passes.pin_collective_order(gm, recompile=False)

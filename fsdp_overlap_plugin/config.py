@@ -35,6 +35,7 @@ _DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
     "fp32": (torch.float32, ("fp32", "float32", "float", "torch.float32")),
 }
 _BACKENDS = ("inductor", "aot_eager")
+_REDUCE_SCATTER_IMPLS = ("native", "all_to_all")
 _RANK_CHECK = ("error", "warn", "off")
 _ON_COMPILE_ERROR = ("raise", "eager")
 
@@ -222,6 +223,12 @@ class OverlapConfig:
     on the same communicator cannot delay the next prefetch. null = on for nccl/hccl, off for
     gloo (gloo runs each group's collectives on worker threads already)."""
 
+    reduce_scatter_impl: str = "native"
+    """How gradient reduce-scatters run: "native" (the backend's reduce_scatter_tensor) or
+    "all_to_all" (all_to_all_single plus a local sum). On gloo, whose reduce_scatter_tensor is
+    a clone plus a full all-reduce, "all_to_all" sends half the bytes; results are bitwise
+    equal on 2 ranks and equal up to summation order on more. Needs compile: true."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -310,6 +317,11 @@ class OverlapConfig:
                 setattr(self, name, dtype_name(value))
             elif isinstance(value, str):
                 setattr(self, name, dtype_name(parse_dtype(value, name)))
+        if self.reduce_scatter_impl not in _REDUCE_SCATTER_IMPLS:
+            raise OverlapConfigError(
+                f"reduce_scatter_impl: unknown value {self.reduce_scatter_impl!r}; valid: "
+                f"{', '.join(_REDUCE_SCATTER_IMPLS)}.{suggest(str(self.reduce_scatter_impl), _REDUCE_SCATTER_IMPLS)}"
+            )
         if not isinstance(self.backend, str) or self.backend not in _BACKENDS:
             raise OverlapConfigError(
                 f"backend: unknown backend {self.backend!r}; valid: {', '.join(_BACKENDS)}.{suggest(str(self.backend), _BACKENDS)}"

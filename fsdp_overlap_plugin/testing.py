@@ -199,6 +199,11 @@ class SimulatedRank(fx.Interpreter):
             return y.chunk(size)[self.rank] * self._scale(op)
         if target is C10D.all_reduce.default:
             return args[0] * self._scale(args[1])
+        if target is C10D.all_to_all_single.default:
+            # block j of the output comes from rank j: its copy of this rank's block
+            x, size = args[0], len(args[1])
+            mine = x.chunk(size)[self.rank]
+            return torch.cat([mine * (1 + j) for j in range(size)])
         if target is C10D.wait_tensor.default:
             return args[0]
         if is_control_deps_target(target):

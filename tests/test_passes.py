@@ -15,7 +15,13 @@ import torch
 import torch.fx as fx
 
 from fsdp_overlap_plugin import OverlapConfigError
-from fsdp_overlap_plugin.passes import manual_bucketing, overlap_grad_reduce, pin_collective_order, use_gather_group
+from fsdp_overlap_plugin.passes import (
+    manual_bucketing,
+    overlap_grad_reduce,
+    pin_collective_order,
+    reduce_scatter_as_all_to_all,
+    use_gather_group,
+)
 from fsdp_overlap_plugin.passes.graph import (
     C10D,
     collective_of_wait,
@@ -337,3 +343,16 @@ def test_grad_overlap_keeps_compute_order():
     after = copy.deepcopy(before)
     overlap_grad_reduce(after)
     assert compute_nodes(before) == compute_nodes(after)
+
+
+@pytest.mark.parametrize("first", ["none", "both"])
+def test_reduce_scatter_as_all_to_all_computes_the_same(first):
+    before = fsdp_backward_graph(dtype=torch.float64)
+    after = copy.deepcopy(before)
+    if first == "both":
+        manual_bucketing(after, PLAN)
+        overlap_grad_reduce(after)
+    stats = reduce_scatter_as_all_to_all(after)
+    assert stats["rewritten"] == (4 if first == "both" else 8)
+    assert not any(is_reduce_scatter(n) for n in after.graph.nodes)
+    assert_same_outputs(before, after)

@@ -19,6 +19,7 @@ VARIANTS = {
     "grad_overlap": {"manual_bucketing": False, "overlap_grad_reduce": True},
     "both": {},
     "both+gather_group": {"separate_gather_group": True},
+    "both+all_to_all": {"reduce_scatter_impl": "all_to_all"},
 }
 
 
@@ -46,6 +47,8 @@ def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
     assert results["off"]["report"]["forward"] is None  # no pass ran, nothing recorded
     gathered = results["both+gather_group"]["report"]["forward"]["passes"]["gather_group"]["moved"]
     assert gathered == 53  # every parameter all-gather moved to the second communicator
+    a2a = results["both+all_to_all"]["report"]["backward"]
+    assert a2a["after"]["reduce_scatter"] == 0 and a2a["after"]["all_to_all"] == 6
 
 
 def test_inductor_losses_equal_within_1e6():

@@ -4,12 +4,21 @@
 * ``manual_bucketing``      merge each plan entry's collectives, prefetch one bucket ahead
 * ``overlap_grad_reduce``   launch gradient reduce-scatters early, sink their waits
 * ``use_gather_group``      run FSDP all-gathers on their own process group
+* ``reduce_scatter_as_all_to_all``  (opt-in) gradient reduce-scatters as all-to-all + sum
 * ``pin_collective_order``  (inductor) make the chosen order survive code generation
 """
 
+from .all_to_all import reduce_scatter_as_all_to_all
 from .bucketing import manual_bucketing, use_gather_group
 from .grad_overlap import overlap_grad_reduce
 from .pin import pin_collective_order
 from .reshard import annotate_reshard
 
-__all__ = ["annotate_reshard", "manual_bucketing", "overlap_grad_reduce", "pin_collective_order", "use_gather_group"]
+__all__ = [
+    "annotate_reshard",
+    "manual_bucketing",
+    "overlap_grad_reduce",
+    "pin_collective_order",
+    "reduce_scatter_as_all_to_all",
+    "use_gather_group",
+]

@@ -333,6 +333,9 @@ def collective_counts(graph: fx.Graph) -> dict[str, int]:
             counts["reduce_scatter"] += 1
         elif is_all_reduce(node):
             counts["all_reduce"] += 1
+        elif effective_target(node) is C10D.all_to_all_single.default:
+            counts["all_to_all"] += 1
         elif is_collective(node):
             counts["other"] += 1
-    return {k: counts.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce", "wait", "other")}
+    kinds = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "wait", "other")
+    return {k: counts.get(k, 0) for k in kinds}
