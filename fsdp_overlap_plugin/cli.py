@@ -1241,6 +1241,56 @@ def cmd_explain(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str
     return code, out, lines
 
 
+def _rate_arg(text: str) -> float:
+    """'300mbit' / '1gbit' (bits per second) or '25gb' / '500mb' (bytes per second) -> bytes/s."""
+    lowered = text.strip().lower()
+    for suffix, scale in (("gbit", 1e9 / 8), ("mbit", 1e6 / 8), ("gb", 1e9), ("mb", 1e6)):
+        if lowered.endswith(suffix):
+            try:
+                return float(lowered[: -len(suffix)]) * scale
+            except ValueError:
+                break
+    try:
+        return float(lowered)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 300mbit, 1gbit, 25gb)") from None
+
+
+def cmd_timeline(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
+    from .report import DEFAULT_RATES, draw_timeline, predicted
+
+    path = Path(args.report)
+    if not path.is_file():
+        raise CliError(f"report {str(path)!r} does not exist.")
+    try:
+        report = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CliError(f"{path}: not valid JSON ({exc}).") from None
+    rates = dict(DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"]))
+    for key in ("flops", "mem", "link"):
+        if getattr(args, key) is not None:
+            rates[key] = getattr(args, key)
+    try:
+        draw_timeline(report, args.out, rates)
+    except ValueError as exc:
+        raise CliError(f"{path}: {exc}") from None
+    except ImportError as exc:
+        return 1, {"command": "timeline", "png": None, "error": str(exc)}, [f"cannot draw {args.out}: {exc}"]
+    numbers = predicted(report, rates)
+    lines = [
+        f"rates: {rates['flops']:.3g} FLOP/s compute, {rates['mem']:.3g} B/s memory, "
+        f"{rates['link'] * 8 / 1e6:.0f} Mbit/s link (a model for comparing schedules, not a measurement)"
+    ]
+    for kind, phases in numbers.items():
+        b, a = phases["before"], phases["after"]
+        lines.append(
+            f"{kind}: predicted {b['total_s'] * 1e3:.1f} -> {a['total_s'] * 1e3:.1f} ms; exposed communication "
+            f"{b['exposed_comm_s'] * 1e3:.1f} -> {a['exposed_comm_s'] * 1e3:.1f} ms"
+        )
+    lines.append(f"timeline written to {args.out}")
+    return 0, {"command": "timeline", "png": str(args.out), "rates": rates, "predicted": numbers}, lines
+
+
 # --------------------------------------------------------------------------------- main
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -1280,7 +1330,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 --strict with warnings or nothing to explain/draw, 2 bad config, model or report.",
     )
     parser.add_argument("--version", action="version", version=f"fsdp-overlap {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,check,explain}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,check,explain,timeline}")
 
     p = sub.add_parser("inspect", help="module tree with bytes per bucket candidate, and the auto plan")
     p.add_argument("model", metavar="MODEL", help="package.module:factory, e.g. fsdp_overlap_plugin.models.gpt:gpt_1b")
@@ -1304,13 +1354,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--png", default=None, metavar="OUT.png", help="draw the timeline (needs report.draw_timeline and matplotlib)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    p = sub.add_parser("timeline", help="draw predicted compute/communication lanes before/after the passes (PNG)")
+    p.add_argument("report", metavar="REPORT.json", help="json.dump(schedule_report(model)) output")
+    p.add_argument("--out", default="timeline.png", help="PNG to write (default timeline.png)")
+    p.add_argument("--flops", type=float, default=None, help="compute FLOP/s (default: by the report's device type)")
+    p.add_argument("--mem", type=float, default=None, help="memory bytes/s")
+    p.add_argument("--link", type=_rate_arg, default=None, help="link rate per rank: 300mbit, 1gbit, 25gb (bytes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, 1 or 2)."""
     args = build_parser().parse_args(argv)
-    command = {"inspect": cmd_inspect, "check": cmd_check, "explain": cmd_explain}[args.command]
+    command = {"inspect": cmd_inspect, "check": cmd_check, "explain": cmd_explain, "timeline": cmd_timeline}[
+        args.command
+    ]
     try:
         code, out, lines = command(args)
     except (OverlapConfigError, CliError) as exc:

@@ -18,7 +18,16 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["schedule_report", "format_report", "graph_events", "save_record", "load_record"]
+__all__ = [
+    "draw_timeline",
+    "format_report",
+    "graph_events",
+    "load_record",
+    "predicted",
+    "save_record",
+    "schedule_report",
+    "simulate",
+]
 
 _KINDS = ("forward", "backward")
 
@@ -117,6 +126,8 @@ def graph_events(graph: Any, plan: list[list[str]]) -> list[dict]:
                 if is_reduce_scatter(node)
                 else "all_reduce"
                 if is_all_reduce(node)
+                else "all_to_all"
+                if "all_to_all" in str(node.target)
                 else "collective"
             )
             # bytes a rank receives: the gathered output, or the reduce-scatter input
@@ -220,6 +231,7 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             if record is not None:
                 record = dict(record, from_cache=True)
         report[kind] = record
+    report["predicted"] = predicted(report)
     return report
 
 
@@ -235,6 +247,7 @@ SUMMARY_STATS = {
         "unbucketed_reduce_scatters",
     ),
     "overlap_grad_reduce": ("matched", "launches_advanced", "waits_sunk"),
+    "all_to_all": ("rewritten",),
     "pin_order": ("dependencies",),
 }
 
@@ -283,6 +296,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"  {kind:<9} {_arrow(record, 'all_gather'):>12} {_arrow(record, 'reduce_scatter'):>16} "
             f"{_arrow(record, 'all_reduce'):>12} {_arrow(record, 'wait'):>10}  {'; '.join(notes)}"
         )
+    for kind, phases in (report.get("predicted") or {}).items():
+        b, a = phases["before"], phases["after"]
+        lines.append(
+            f"  predicted {kind} (cost model, {report['device_type']} rates): exposed communication "
+            f"{b['exposed_comm_s'] * 1e3:.1f} -> {a['exposed_comm_s'] * 1e3:.1f} ms of {a['comm_s'] * 1e3:.1f} ms"
+        )
     reshard = report.get("reshard") or {}
     if reshard:
         lines.append(
@@ -293,3 +312,123 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("unbucketed_params"):
         lines.append(f"  parameters in no bucket (gathered one by one): {', '.join(report['unbucketed_params'])}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ cost model, timeline
+# Rough rates per device type for the *predicted* timeline: a model to compare schedules,
+# not a measurement. FLOP/s, memory bytes/s, and link bytes/s per rank.
+DEFAULT_RATES = {
+    "cpu": {"flops": 5e10, "mem": 1e10, "link": 300e6 / 8},  # one core; the 300 Mbit benchmark link
+    "cuda": {"flops": 4e14, "mem": 3e12, "link": 2.5e10},  # H100-class bf16, NVLink-ish
+    "npu": {"flops": 3e14, "mem": 1.6e12, "link": 2.5e10},
+}
+
+
+def simulate(events: list[dict], *, world: int, flops: float, mem: float, link: float) -> dict:
+    """Play a schedule on a two-lane machine: compute runs items in order; one link runs
+    collectives in issue order, each taking the bytes a ring collective sends per rank
+    ((world-1)/world of the full tensor) over ``link`` bytes/s; a wait blocks compute until
+    its collective is done. Returns the lanes and the predicted exposed communication
+    (time compute spent blocked in waits)."""
+    t_compute = t_link = 0.0
+    done: dict[str, float] = {}
+    compute, comm, blocked = [], [], []
+    exposed = 0.0
+    share = (world - 1) / world if world > 1 else 0.0
+    for ev in events:
+        op = ev["op"]
+        if op == "compute":
+            dur = max(ev.get("flops", 0) / flops, ev.get("bytes", 0) / mem)
+            compute.append((t_compute, t_compute + dur, ev.get("module")))
+            t_compute += dur
+        elif op == "wait":
+            end = done.get(ev.get("of") or "", t_compute)
+            if end > t_compute:
+                blocked.append((t_compute, end, ev.get("bucket")))
+                exposed += end - t_compute
+                t_compute = end
+        else:
+            start = max(t_compute, t_link)
+            dur = ev.get("bytes", 0) * share / link
+            comm.append((start, start + dur, op, ev.get("bucket")))
+            t_link = start + dur
+            done[ev["name"]] = t_link
+    total = max([t_compute] + [end for end in done.values()])
+    busy = sum(b - a for a, b, *_ in comm)
+    return {
+        "total_s": total,
+        "exposed_comm_s": exposed,
+        "comm_s": busy,
+        "compute_s": sum(b - a for a, b, _ in compute),
+        "compute": compute,
+        "comm": comm,
+        "blocked": blocked,
+    }
+
+
+def predicted(report: dict, rates: dict | None = None) -> dict:
+    """Predicted total and exposed-communication seconds per graph, before/after passes."""
+    rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
+    out = {}
+    for kind in _KINDS:
+        record = report.get(kind)
+        if not record or "schedule" not in record:
+            continue
+        out[kind] = {}
+        for phase in ("before", "after"):
+            sim = simulate(record["schedule"][phase], world=report["world_size"], **rates)
+            out[kind][phase] = {k: round(sim[k], 6) for k in ("total_s", "exposed_comm_s", "comm_s", "compute_s")}
+    return out
+
+
+def draw_timeline(report: dict, path: str, rates: dict | None = None) -> str:
+    """Draw compute and communication lanes of each graph before and after the passes
+    (the cost model of ``simulate``) as a PNG. Needs matplotlib (the ``viz`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ImportError("the timeline needs matplotlib: pip install 'fsdp-overlap-plugin[viz]'") from None
+    rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
+    rows = [
+        (kind, phase) for kind in _KINDS if (report.get(kind) or {}).get("schedule") for phase in ("before", "after")
+    ]
+    if not rows:
+        raise ValueError("the report has no recorded schedules (run a training step first)")
+    sims = {row: simulate(report[row[0]]["schedule"][row[1]], world=report["world_size"], **rates) for row in rows}
+    horizon = max(s["total_s"] for s in sims.values()) or 1.0
+    colors = {
+        "all_gather": "#4c72b0",
+        "reduce_scatter": "#dd8452",
+        "all_to_all": "#dd8452",
+        "all_reduce": "#8172b3",
+        "collective": "#937860",
+    }
+    fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.35 * len(rows) + 0.8), sharex=True, squeeze=False)
+    for ax, row in zip(axes[:, 0], rows):
+        sim = sims[row]
+        ax.broken_barh([(a, b - a) for a, b, _ in sim["compute"]], (10, 8), facecolors="#55a868")
+        ax.broken_barh([(a, b - a) for a, b, *_ in sim["blocked"]], (10, 8), facecolors="#c44e52", hatch="//")
+        for a, b, op, bucket in sim["comm"]:
+            ax.broken_barh([(a, b - a)], (0, 8), facecolors=colors.get(op, "#937860"), edgecolor="white", linewidth=0.4)
+            if bucket is not None and (b - a) > horizon / 60:
+                ax.text((a + b) / 2, 4, str(bucket), ha="center", va="center", fontsize=6, color="white")
+        ax.set_yticks([4, 14], ["comm", "compute"], fontsize=8)
+        ax.set_xlim(0, horizon * 1.01)
+        ax.set_title(
+            f"{row[0]} graph, {row[1]} the passes: {sim['total_s'] * 1e3:.1f} ms predicted, "
+            f"{sim['exposed_comm_s'] * 1e3:.1f} ms of communication exposed",
+            fontsize=9,
+            loc="left",
+        )
+    axes[-1, 0].set_xlabel(
+        "seconds (cost model: green compute, red = compute waiting, blue all-gather, orange reduce-scatter; "
+        "numbers = bucket)",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
