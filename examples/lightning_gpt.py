@@ -55,7 +55,9 @@ class GPTLitModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, d_model=d_model)
+        self.cfg = GPTConfig(
+            vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, d_model=d_model
+        )
         # Built here (every rank starts from the same seeded weights) or, with
         # init_on_meta, in configure_model without allocating (materialized on the shards).
         self.model: GPT | None = None if init_on_meta else GPT(self.cfg)

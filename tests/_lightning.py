@@ -36,10 +36,10 @@ def dataset(samples: int, seed: int = 1234) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(kind: str, params, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 class LitGPT(LightningModule):
@@ -133,6 +133,7 @@ def core_run(
     accumulate: int = 1,
     autocast: torch.dtype | None = None,
     default_dtype: torch.dtype | None = None,
+    weight_decay: float = 0.01,
     **config,
 ) -> dict:
     """The same training as the Trainer's, on the core: ``parallelize`` (+ ``materialize``
@@ -142,7 +143,7 @@ def core_run(
     if any(p.device.type == "meta" for p in model.parameters()):
         fo.materialize(model, "cpu")
     initial = full_params(model)
-    opt = make_optimizer(optimizer, model.parameters(), lr)
+    opt = make_optimizer(optimizer, model.parameters(), lr, weight_decay)
     losses, norms = [], []
     for i, (x, y) in enumerate(batches):
         with _forward_context(autocast, default_dtype):
@@ -157,9 +158,7 @@ def core_run(
     return {"losses": losses, "params": full_params(model), "norms": norms, "initial": initial}
 
 
-def reference_run(
-    model: torch.nn.Module, global_batches: list, *, lr: float = 0.5, clip: float | None = None
-) -> dict:
+def reference_run(model: torch.nn.Module, global_batches: list, *, lr: float = 0.5, clip: float | None = None) -> dict:
     """One process, no sharding: SGD on each global batch (the union of the ranks')."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)

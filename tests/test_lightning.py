@@ -141,7 +141,9 @@ def test_compatible_explicit_dtype_wins_over_the_precision_default():
 
 
 def test_conflicting_dtype_is_an_error_naming_key_and_precision():
-    with pytest.raises(OverlapConfigError, match=r"param_dtype: 'bf16' conflicts with precision='32-true'.*precision='bf16-mixed'"):
+    with pytest.raises(
+        OverlapConfigError, match=r"param_dtype: 'bf16' conflicts with precision='32-true'.*precision='bf16-mixed'"
+    ):
         config_for_precision(OverlapConfig(param_dtype="bf16"), "32-true")
     with pytest.raises(OverlapConfigError, match=r"param_dtype: 'fp32' conflicts with precision='bf16-true'"):
         config_for_precision(OverlapConfig(param_dtype="fp32"), "bf16-true")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,11 +31,14 @@ from _lightning import (
     reference_run,
     trainer,
 )
+from torch.utils.data import TensorDataset
 
 from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
-from fsdp_overlap_plugin.models import gpt_small
+from fsdp_overlap_plugin.models import fixed_batches, gpt_small
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GPT = {"n_layer": 2}
 FAST = {"backend": "aot_eager"}  # passes stay on: they never change numbers, only order
@@ -66,9 +70,9 @@ def _basic_and_resume(rank: int, world: int, root: str) -> dict:
     out["metrics"] = {k: float(v) for k, v in tr.callback_metrics.items() if k.startswith("fsdp_overlap/")}
     out["report"] = tr.strategy.schedule_report
     out["param_type"] = type(next(lit.model.parameters())).__name__
-    out["core"] = core_run(
-        _core_model(0), rank_batches(data, rank, world, 2), optimizer="adamw", lr=3e-3, **FAST
-    )["losses"]
+    out["core"] = core_run(_core_model(0), rank_batches(data, rank, world, 2), optimizer="adamw", lr=3e-3, **FAST)[
+        "losses"
+    ]
     sharded = f"{root}/sharded/epoch=0.ckpt"
     out["sharded_files"] = sorted(os.listdir(sharded))
 
@@ -128,7 +132,13 @@ def _accumulation(rank: int, world: int, root: str) -> dict:
     per_rank = [rank_batches(data, r, world, 1, batch=1) for r in range(world)]
     ref = reference_run(_core_model(0), global_batches(per_rank, group=2)) if rank == 0 else None
     steps = [mean_over_ranks((a + b) / 2) for a, b in zip(lit.losses[::2], lit.losses[1::2])]
-    return {"losses": steps, "micro": len(lit.losses), "global_step": tr.global_step, "params": full_params(lit.model), "ref": ref}
+    return {
+        "losses": steps,
+        "micro": len(lit.losses),
+        "global_step": tr.global_step,
+        "params": full_params(lit.model),
+        "ref": ref,
+    }
 
 
 def _precision(rank: int, world: int, root: str) -> dict:
@@ -140,9 +150,7 @@ def _precision(rank: int, world: int, root: str) -> dict:
     lit = LitGPT(seed=0, **GPT)
     tr = trainer(root, max_epochs=1, strategy=_strategy(), precision="bf16-mixed")
     tr.fit(lit, loader(data))
-    core = core_run(
-        _core_model(0), batches, autocast=torch.bfloat16, param_dtype="bf16", reduce_dtype="fp32", **FAST
-    )
+    core = core_run(_core_model(0), batches, autocast=torch.bfloat16, param_dtype="bf16", reduce_dtype="fp32", **FAST)
     out["mixed"] = {
         "losses": lit.losses,
         "core": core["losses"],
@@ -201,6 +209,54 @@ def _plain_string(rank: int, world: int, root: str) -> dict:
     return {"losses": lit.losses, "core": core["losses"], "report": tr.strategy.schedule_report}
 
 
+def _lightning_cli(rank: int, world: int, root: str) -> dict:
+    """examples/lightning_gpt.py under LightningCLI with configs/lightning.yaml (a few
+    keys overridden on the command line, as a user would) vs the core with the YAML's
+    plan, optimizer, clipping and seed."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lightning_gpt
+
+    from fsdp_overlap_plugin.models import GPT as GPTModel
+    from fsdp_overlap_plugin.models import GPTConfig
+
+    torch._dynamo.reset()
+    args = [
+        "fit",
+        "--config",
+        str(ROOT / "configs/lightning.yaml"),
+        "--trainer.max_steps=3",
+        "--trainer.strategy.init_args.backend=aot_eager",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        "--model.n_layer=2",
+        "--data.samples=16",
+        "--data.seq_len=16",
+    ]
+    try:
+        cli = lightning_gpt.cli_main(args)
+    finally:
+        os.environ.pop("PL_GLOBAL_SEED", None)  # seed_everything: 0 sets it; later scenarios must not see it
+    strategy = cli.trainer.strategy
+    data = TensorDataset(*fixed_batches(1, 16, 16, 256, seed=1234)[0])
+    batches = rank_batches(data, rank, world, epochs=2, batch=4)[:3]  # 2 steps per epoch
+    torch.manual_seed(0)  # seed_everything: 0
+    model = GPTModel(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=64))
+    plan = [["tok_emb", "pos_emb"], "blocks.*", ["norm", "head"]]
+    core = core_run(model, batches, optimizer="adamw", lr=0.003, weight_decay=0.0, clip=1.0, bucket_plans=plan, **FAST)
+    return {
+        "losses": cli.model.losses,
+        "core": core["losses"],
+        "strategy": type(strategy).__name__,
+        "bucket_plans": strategy.overlap_config.bucket_plans,
+        "plan": strategy.schedule_report["plan"],
+        "clip": cli.trainer.gradient_clip_val,
+    }
+
+
 def _all(rank: int, world: int, root: str) -> dict:
     import time
 
@@ -212,6 +268,7 @@ def _all(rank: int, world: int, root: str) -> dict:
         ("precision", _precision),
         ("configure_model", _configure_model),
         ("plain", _plain_string),
+        ("cli", _lightning_cli),
     ]:
         start = time.perf_counter()
         out[name] = fn(rank, world, f"{root}/{name}")
@@ -327,3 +384,15 @@ def test_plain_string_inductor_matches_core(results):
     assert report["backend"] == "inductor"
     assert report["passes"] == {"manual_bucketing": True, "overlap_grad_reduce": True}
     assert report["config"]["bucket_plans"] == "auto"
+
+
+def test_lightning_cli_yaml_matches_core(results):
+    for r in results:
+        cli = r["cli"]
+        assert cli["strategy"] == "FSDPOverlapStrategy"
+        assert cli["clip"] == 1.0
+        assert len(cli["losses"]) == 3
+        assert cli["losses"] == cli["core"], (cli["losses"], cli["core"])
+    cli = results[0]["cli"]
+    assert cli["bucket_plans"] == [["tok_emb", "pos_emb"], "blocks.*", ["norm", "head"]]  # from the YAML
+    assert cli["plan"] == [["tok_emb", "pos_emb"], ["blocks.0"], ["blocks.1"], ["norm", "head"]]

@@ -1,15 +1,15 @@
 """``Fabric(strategy="fsdp_overlap")``: the Fabric strategy.
 
-    setup_environment   precision -> dtypes (checked), process group, data-parallel mesh
-    setup_module        ``parallelize`` (plan, shard, compile in place), ``materialize``
-                        on meta; ``fabric.setup(model, optimizer)`` re-points the
-                        optimizer at the sharded parameters (an optimizer must not keep
-                        references to the replaced full-size ones)
-    backward            after the first one: the schedule report to the console and in
-                        ``strategy.schedule_report`` / ``strategy.schedule_metrics``
-    no_backward_sync    a no-op (the reduce-scatter is in the compiled backward graph;
-                        sharded gradients still accumulate, results are unchanged)
-    checkpoints         sharded by default, full with ``save_distributed_checkpoint=False``
+setup_environment   precision -> dtypes (checked), process group, data-parallel mesh
+setup_module        ``parallelize`` (plan, shard, compile in place), ``materialize``
+                    on meta; ``fabric.setup(model, optimizer)`` re-points the
+                    optimizer at the sharded parameters (an optimizer must not keep
+                    references to the replaced full-size ones)
+backward            after the first one: the schedule report to the console and in
+                    ``strategy.schedule_report`` / ``strategy.schedule_metrics``
+no_backward_sync    a no-op (the reduce-scatter is in the compiled backward graph;
+                    sharded gradients still accumulate, results are unchanged)
+checkpoints         sharded by default, full with ``save_distributed_checkpoint=False``
 """
 
 from __future__ import annotations
