@@ -23,7 +23,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer, see
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_overlap_plugin  # noqa: F401  (registers strategy="fsdp_overlap")
-from fsdp_overlap_plugin.models import GPT, GPTConfig, fixed_batches, loss_fn
+from fsdp_overlap_plugin.models import GPT, GPTConfig, loss_fn
 
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningCLI
@@ -33,7 +33,7 @@ TRAINER_DEFAULTS = {
     "strategy": "fsdp_overlap",  # bucket_plans: auto, all passes on
     "accelerator": "cpu",
     "devices": 2,
-    "max_steps": 10,
+    "max_steps": 30,
     "log_every_n_steps": 1,
     "enable_model_summary": False,
 }
@@ -83,8 +83,18 @@ class GPTLitModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
 
 
+def token_sequences(samples: int, seq_len: int, vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target) token sequences that can be learnt: each counts up from a random
+    start by a random stride (mod the vocabulary), so two tokens predict the next."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab_size, (samples, 1), generator=g)
+    stride = torch.randint(1, 8, (samples, 1), generator=g)
+    tokens = (start + stride * torch.arange(seq_len + 1)) % vocab_size
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
 class GPTDataModule(LightningDataModule):
-    """Random token sequences (deterministic): ``samples`` sequences of ``seq_len`` tokens."""
+    """``samples`` counting sequences of ``seq_len`` tokens (see ``token_sequences``)."""
 
     def __init__(
         self, samples: int = 256, seq_len: int = 32, vocab_size: int = 256, batch_size: int = 4, seed: int = 1234
@@ -94,12 +104,11 @@ class GPTDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         hp = self.hparams
-        x, y = fixed_batches(1, hp.samples, hp.seq_len, hp.vocab_size, seed=hp.seed)[0]
-        self.dataset = TensorDataset(x, y)
+        self.dataset = TensorDataset(*token_sequences(hp.samples, hp.seq_len, hp.vocab_size, hp.seed))
 
     def train_dataloader(self) -> DataLoader:
-        # Lightning replaces the sampler by a DistributedSampler: each rank reads its part.
-        return DataLoader(self.dataset, batch_size=self.hparams.batch_size, shuffle=True)
+        # Lightning replaces the sampler by a shuffling DistributedSampler: each rank reads its part.
+        return DataLoader(self.dataset, batch_size=self.hparams.batch_size)
 
 
 def cli_main(args: list[str] | None = None) -> LightningCLI:

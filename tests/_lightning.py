@@ -42,37 +42,50 @@ def make_optimizer(kind: str, params, lr: float, weight_decay: float = 0.01) -> 
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
-class LitGPT(LightningModule):
-    """``self.model`` is the test GPT, built in ``__init__`` (seeded) or, with ``meta``,
-    in ``configure_model`` on the meta device. Records each micro-batch's local loss."""
+def _lit_gpt(base: type) -> type:
+    class LitGPT(base):
+        """``self.model`` is the test GPT, built in ``__init__`` (seeded) or, with ``meta``,
+        in ``configure_model`` on the meta device. Records each micro-batch's local loss."""
 
-    def __init__(self, seed: int = 0, meta: bool = False, optimizer: str = "sgd", lr: float = 0.5, **gpt):
-        super().__init__()
-        self.opt_kind, self.lr, self.gpt = optimizer, lr, gpt
-        self.model = None
-        if not meta:
-            torch.manual_seed(seed)
-            self.model = gpt_small(**gpt)
-        self.losses: list[float] = []
-        self.initial: dict | None = None
+        def __init__(self, seed: int = 0, meta: bool = False, optimizer: str = "sgd", lr: float = 0.5, **gpt):
+            super().__init__()
+            self.opt_kind, self.lr, self.gpt = optimizer, lr, gpt
+            self.model = None
+            if not meta:
+                torch.manual_seed(seed)
+                self.model = gpt_small(**gpt)
+            self.losses: list[float] = []
+            self.initial: dict | None = None
 
-    def configure_model(self) -> None:
-        if self.model is None:
-            with torch.device("meta"):
-                self.model = gpt_small(**self.gpt)
+        def configure_model(self) -> None:
+            if self.model is None:
+                with torch.device("meta"):
+                    self.model = gpt_small(**self.gpt)
 
-    def forward(self, x):
-        return self.model(x)
+        def forward(self, x):
+            return self.model(x)
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = loss_fn(self(x), y)
-        self.losses.append(loss.detach().float().item())
-        self.log("train_loss", loss)
-        return loss
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = loss_fn(self(x), y)
+            self.losses.append(loss.detach().float().item())
+            self.log("train_loss", loss)
+            return loss
 
-    def configure_optimizers(self):
-        return make_optimizer(self.opt_kind, self.parameters(), self.lr)
+        def configure_optimizers(self):
+            return make_optimizer(self.opt_kind, self.parameters(), self.lr)
+
+    return LitGPT
+
+
+LitGPT = _lit_gpt(LightningModule)
+
+
+def standalone_lit_gpt() -> type:
+    """The same module for the standalone ``pytorch_lightning`` package."""
+    import pytorch_lightning
+
+    return _lit_gpt(pytorch_lightning.LightningModule)
 
 
 class RecordInitial(Callback):
@@ -86,7 +99,9 @@ def loader(data: TensorDataset, batch: int = PER_RANK) -> DataLoader:
     return DataLoader(data, batch_size=batch)
 
 
-def trainer(root: str, **kwargs) -> Trainer:
+def trainer(root: str, standalone: bool = False, **kwargs) -> Trainer:
+    """A Trainer for 2 CPU ranks with no logger/checkpoints unless asked; ``standalone``
+    builds a ``pytorch_lightning.Trainer`` instead."""
     defaults = dict(
         strategy="fsdp_overlap",
         accelerator="cpu",
@@ -99,6 +114,10 @@ def trainer(root: str, **kwargs) -> Trainer:
         default_root_dir=root,
     )
     defaults.update(kwargs)
+    if standalone:
+        import pytorch_lightning
+
+        return pytorch_lightning.Trainer(**defaults)
     return Trainer(**defaults)
 
 

@@ -29,12 +29,13 @@ from _lightning import (
     mean_over_ranks,
     rank_batches,
     reference_run,
+    standalone_lit_gpt,
     trainer,
 )
 from torch.utils.data import TensorDataset
 
 from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
-from fsdp_overlap_plugin.models import fixed_batches, gpt_small
+from fsdp_overlap_plugin.models import gpt_small, loss_fn
 
 pytestmark = pytest.mark.slow
 
@@ -104,12 +105,16 @@ def _basic_and_resume(rank: int, world: int, root: str) -> dict:
 
 
 def _clipping(rank: int, world: int, root: str) -> dict:
-    """gradient_clip_val by norm on sharded gradients vs one process, unsharded."""
+    """gradient_clip_val by norm on sharded gradients vs one process, unsharded. Run with
+    the standalone ``pytorch_lightning`` package (its own strategy class and registry)."""
+    from fsdp_overlap_plugin.lightning.standalone import FSDPOverlapStrategy as StandaloneStrategy
+
     clip = 0.1
     data = dataset(8)
     torch._dynamo.reset()
-    lit = LitGPT(seed=0, **GPT)
-    trainer(root, max_epochs=1, strategy=_strategy(), gradient_clip_val=clip).fit(lit, loader(data))
+    lit = standalone_lit_gpt()(seed=0, **GPT)
+    strategy = StandaloneStrategy(**FAST)
+    trainer(root, standalone=True, max_epochs=1, strategy=strategy, gradient_clip_val=clip).fit(lit, loader(data))
     per_rank = [rank_batches(data, r, world, 1) for r in range(world)]
     ref = reference_run(_core_model(0), global_batches(per_rank), clip=clip) if rank == 0 else None
     unclipped = reference_run(_core_model(0), global_batches(per_rank)) if rank == 0 else None
@@ -119,6 +124,7 @@ def _clipping(rank: int, world: int, root: str) -> dict:
         "ref": ref,
         "unclipped": unclipped,
         "clip": clip,
+        "trainer": type(lit.trainer).__module__,
     }
 
 
@@ -241,7 +247,7 @@ def _lightning_cli(rank: int, world: int, root: str) -> dict:
     finally:
         os.environ.pop("PL_GLOBAL_SEED", None)  # seed_everything: 0 sets it; later scenarios must not see it
     strategy = cli.trainer.strategy
-    data = TensorDataset(*fixed_batches(1, 16, 16, 256, seed=1234)[0])
+    data = TensorDataset(*lightning_gpt.token_sequences(16, 16, 256, seed=1234))
     batches = rank_batches(data, rank, world, epochs=2, batch=4)[:3]  # 2 steps per epoch
     torch.manual_seed(0)  # seed_everything: 0
     model = GPTModel(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=64))
@@ -257,6 +263,23 @@ def _lightning_cli(rank: int, world: int, root: str) -> dict:
     }
 
 
+def _bypass(rank: int, world: int, root: str) -> dict:
+    """module="" compiles the LightningModule's forward; a training_step that calls
+    self.model(x) bypasses it: the strategy says so after the first step."""
+    import warnings
+
+    class Direct(LitGPT):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return loss_fn(self.model(x), y)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(root, max_steps=1, strategy=_strategy(module="")).fit(Direct(seed=0, **GPT), loader(dataset(8)))
+    return {"warnings": [str(w.message) for w in caught if "fsdp_overlap" in str(w.message)]}
+
+
 def _all(rank: int, world: int, root: str) -> dict:
     import time
 
@@ -268,6 +291,7 @@ def _all(rank: int, world: int, root: str) -> dict:
         ("precision", _precision),
         ("configure_model", _configure_model),
         ("plain", _plain_string),
+        ("bypass", _bypass),
         ("cli", _lightning_cli),
     ]:
         start = time.perf_counter()
@@ -326,6 +350,7 @@ def test_resume_from_full_checkpoint_reproduces_losses(results):
 
 def test_gradient_clipping_by_norm_matches_unsharded_reference(results):
     clip = results[0]["clipping"]
+    assert clip["trainer"].startswith("pytorch_lightning")  # the standalone package's Trainer
     ref, unclipped = clip["ref"], clip["unclipped"]
     assert len(ref["norms"]) == 2 and min(ref["norms"]) > 2 * clip["clip"], ref["norms"]  # clipping is active
     assert close(clip["losses"], ref["losses"]), (clip["losses"], ref["losses"])
@@ -333,6 +358,12 @@ def test_gradient_clipping_by_norm_matches_unsharded_reference(results):
         torch.testing.assert_close(clip["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
     changed = max((ref["params"][n] - unclipped["params"][n]).abs().max().item() for n in ref["params"])
     assert changed > 1e-3  # the clip made a difference the comparison above would have seen
+
+
+def test_uncompiled_training_step_is_reported(results):
+    warned = results[0]["bypass"]["warnings"]
+    assert any("did not run the compiled forward" in w and "module=" in w for w in warned), warned
+    assert results[1]["bypass"]["warnings"] == []  # rank-zero only
 
 
 def test_gradient_accumulation_matches_one_big_batch(results):
