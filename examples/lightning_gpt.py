@@ -111,7 +111,7 @@ class GPTDataModule(LightningDataModule):
         return DataLoader(self.dataset, batch_size=self.hparams.batch_size)
 
 
-def cli_main(args: list[str] | None = None) -> LightningCLI:
+def cli_main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     """LightningCLI (needs ``jsonargparse[signatures]``): the YAML sets trainer, strategy,
     model and data; any key can be overridden on the command line."""
     from lightning.pytorch.cli import LightningCLI
@@ -124,6 +124,7 @@ def cli_main(args: list[str] | None = None) -> LightningCLI:
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
         args=args,
+        run=run,
     )
 
 

@@ -55,6 +55,7 @@ def _lit_gpt(base: type) -> type:
                 torch.manual_seed(seed)
                 self.model = gpt_small(**gpt)
             self.losses: list[float] = []
+            self.val_losses: list[float] = []
             self.initial: dict | None = None
 
         def configure_model(self) -> None:
@@ -71,6 +72,12 @@ def _lit_gpt(base: type) -> type:
             self.losses.append(loss.detach().float().item())
             self.log("train_loss", loss)
             return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            loss = loss_fn(self(x), y)
+            self.val_losses.append(loss.detach().float().item())
+            self.log("val_loss", loss, sync_dist=True)
 
         def configure_optimizers(self):
             return make_optimizer(self.opt_kind, self.parameters(), self.lr)

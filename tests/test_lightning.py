@@ -223,3 +223,39 @@ def test_npu_accelerator_registered_with_fake_torch_npu_selects_hccl():
     assert "this machine has 4" in result["too_many"]
     assert result["available_without_devices"] is False
     assert any("accelerator='npu'" in w for w in result["cpu_warning"])
+
+
+# ----------------------------------------------------------------------- LightningCLI
+def test_lightning_cli_builds_the_strategy_from_yaml(tmp_path):
+    """configs/lightning.yaml parses (jsonargparse checks every init_arg against the
+    strategy's signature) and a plugin YAML given as init_args.config is merged under
+    the YAML's own keys. Training under the CLI is in test_lightning_trainer.py."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lightning_gpt
+
+    cli = lightning_gpt.cli_main(
+        [
+            "--config",
+            str(ROOT / "configs/lightning.yaml"),
+            f"--trainer.strategy.init_args.config={ROOT / 'configs/plugin.yaml'}",
+            "--trainer.strategy.init_args.reduce_dtype=fp32",
+            "--seed_everything=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        run=False,
+    )
+    strategy = cli.trainer.strategy
+    assert type(strategy) is FSDPOverlapStrategy
+    config = strategy.overlap_config
+    assert config.bucket_plans == [["tok_emb", "pos_emb"], "blocks.*", ["norm", "head"]]  # lightning.yaml
+    assert config.reduce_dtype == "fp32"  # command line
+    assert config.mesh.replicate == 1 and config.activation_checkpointing == []  # plugin.yaml
+    assert strategy._module_spec == "auto"
+    assert cli.trainer.gradient_clip_val == 1.0
+    with pytest.raises(SystemExit):  # jsonargparse names the bad key and exits, as for any CLI typo
+        lightning_gpt.cli_main(
+            ["--config", str(ROOT / "configs/lightning.yaml"), "--trainer.strategy.init_args.bucket_plan=auto"],
+            run=False,
+        )

@@ -181,10 +181,20 @@ def _precision(rank: int, world: int, root: str) -> dict:
         "config": (tr.strategy.overlap_config.param_dtype, tr.strategy.overlap_config.reduce_dtype),
         "dtypes": {p.dtype for p in lit.parameters()},
     }
+    # fp32, with validation during fit and trainer.validate() afterwards (setup runs
+    # again on the already parallelized model; no_grad forward = an inference graph).
     torch._dynamo.reset()
     lit = LitGPT(seed=0, **GPT)
-    trainer(root, max_epochs=1, strategy=_strategy()).fit(lit, loader(data))
+    val = dataset(4, seed=99)
+    tr = trainer(root, max_epochs=1, strategy=_strategy())
+    tr.fit(lit, loader(data), val_dataloaders=loader(val, batch=1))
+    tr.validate(lit, loader(val, batch=1), verbose=False)
+    eager = gpt_small(**GPT)
+    eager.load_state_dict(full_params(lit.model))
+    with torch.no_grad():  # the ranks' validation samples (DistributedSampler, no shuffle)
+        expected = [loss_fn(eager(x), y).item() for x, y in list(loader(val, batch=1))[rank::world]]
     out["fp32"] = lit.losses
+    out["val"] = {"losses": lit.val_losses, "expected": expected * 2, "logged": float(tr.callback_metrics["val_loss"])}
     return out
 
 
@@ -385,6 +395,19 @@ def test_bf16_mixed_matches_core_with_same_dtypes(results):
         assert all(math.isfinite(x) for x in mixed["losses"])
 
 
+def test_validation_during_fit_and_trainer_validate(results):
+    for r in results:
+        val = r["precision"]["val"]
+        assert len(val["losses"]) == 4  # 2 samples per rank, at the end of fit and in validate()
+        assert close(val["losses"], val["expected"]), val
+    logged = results[0]["precision"]["val"]["logged"]
+    assert math.isclose(
+        logged,
+        sum(results[0]["precision"]["val"]["expected"][:2] + results[1]["precision"]["val"]["expected"][:2]) / 4,
+        rel_tol=1e-5,
+    )
+
+
 def test_bf16_true_matches_core_with_bf16_weights(results):
     for r in results:
         true = r["precision"]["true"]
@@ -410,7 +433,7 @@ def test_configure_model_on_meta_matches_core_materialize(results):
 def test_plain_string_inductor_matches_core(results):
     for r in results:
         plain = r["plain"]
-        assert close(plain["losses"], plain["core"], rel=1e-6), (plain["losses"], plain["core"])
+        assert plain["losses"] == plain["core"], (plain["losses"], plain["core"])
     report = results[0]["plain"]["report"]
     assert report["backend"] == "inductor"
     assert report["passes"] == {"manual_bucketing": True, "overlap_grad_reduce": True}
