@@ -121,14 +121,13 @@ def test_bad_config_fails_at_construction_naming_the_key():
         ("32-true", (None, None)),
         ("bf16-mixed", ("bf16", "fp32")),
         ("bf16-true", ("bf16", "bf16")),
-        ("16-mixed", ("fp16", "fp32")),
         ("16-true", ("fp16", "fp16")),
     ],
 )
 def test_precision_sets_param_and_reduce_dtype(precision, expected):
     config = config_for_precision(OverlapConfig(), precision)
     assert (config.param_dtype, config.reduce_dtype) == expected
-    assert set(PRECISION_DTYPES) == {"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"}
+    assert set(PRECISION_DTYPES) == {"32-true", "bf16-mixed", "bf16-true", "16-true"}  # ModelParallelStrategy's
 
 
 def test_compatible_explicit_dtype_wins_over_the_precision_default():
@@ -151,6 +150,20 @@ def test_conflicting_dtype_is_an_error_naming_key_and_precision():
         config_for_precision(OverlapConfig(reduce_dtype="fp16"), "bf16-mixed")
     with pytest.raises(OverlapConfigError, match=r"precision='64-true' is not supported.*valid: 32-true"):
         config_for_precision(OverlapConfig(), "64-true")
+    with pytest.raises(OverlapConfigError, match=r"precision='16-mixed' is not supported"):
+        config_for_precision(OverlapConfig(), "16-mixed")
+
+
+def test_precision_conflict_fails_when_the_trainer_is_built():
+    """Before Lightning launches any process (its launcher would start one per device)."""
+    with pytest.raises(OverlapConfigError, match="param_dtype: 'bf16' conflicts with precision='32-true'"):
+        lp.Trainer(strategy=FSDPOverlapStrategy(param_dtype="bf16"), accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(OverlapConfigError, match="param_dtype: 'fp32' conflicts with precision='bf16-true'"):
+        lf.Fabric(strategy=FSDPOverlapFabricStrategy(param_dtype="fp32"), devices=2, precision="bf16-true")
+    trainer = lp.Trainer(
+        strategy=FSDPOverlapStrategy(param_dtype="bf16"), precision="bf16-mixed", devices=2, logger=False
+    )
+    assert trainer.strategy.overlap_config.param_dtype == "bf16"
 
 
 # ------------------------------------------------------------------ module selection

@@ -45,15 +45,17 @@ CONFIG_FIELDS = tuple(OverlapConfig.field_docs())
 # the bytes and autocast still runs norms, softmax and the loss in fp32; gradients are
 # reduced in fp32 unless the config asks for less. "-true" casts the module (so the
 # shards, i.e. the master weights, are in that dtype) before it is sharded.
+# The flags are those Lightning's ModelParallelStrategy supports: "16-mixed" needs a
+# GradScaler over sharded gradients, which neither Lightning nor we support there (on a
+# CPU Lightning turns it into "bf16-mixed" itself).
 PRECISION_DTYPES: dict[str, tuple[str | None, str | None, tuple, tuple]] = {
     "32-true": (None, None, (None, "fp32"), (None, "fp32", "bf16", "fp16")),
     "bf16-mixed": ("bf16", "fp32", ("bf16", "fp32"), ("fp32", "bf16")),
     "bf16-true": ("bf16", "bf16", ("bf16",), ("bf16", "fp32")),
-    "16-mixed": ("fp16", "fp32", ("fp16", "fp32"), ("fp32", "fp16")),
     "16-true": ("fp16", "fp16", ("fp16",), ("fp16", "fp32")),
 }
 
-_SUGGESTED_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+_SUGGESTED_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-true", "fp32": "32-true"}
 
 
 def precision_of(plugin: Any) -> str:

@@ -31,6 +31,7 @@ from ..parallelize import parallelize
 from ..report import format_report, schedule_report
 from ..sharding import build_mesh, materialize
 from ._common import (
+    CONFIG_FIELDS,
     build_config,
     config_for_precision,
     find_uninitialised,
@@ -40,7 +41,7 @@ from ._common import (
     precision_of,
     report_metrics,
 )
-from .trainer import _CONFIG_ARGS, _parallelized_module, _warn_if_npu_unused, align_autocast_device
+from .trainer import _parallelized_module, _warn_if_npu_unused, align_autocast_device
 
 __all__ = ["FSDPOverlapFabricStrategy", "FabricStrategyMixin"]
 
@@ -92,7 +93,7 @@ class FabricStrategyMixin:
         activation_checkpointing: list | None = None,
         separate_gather_group: bool | None = None,
     ) -> None:
-        overrides = {k: v for k, v in locals().items() if k in _CONFIG_ARGS}
+        overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
         self._user_config = build_config(config, overrides)
         self._config: OverlapConfig | None = None
         self.schedule_report: dict | None = None
@@ -116,6 +117,12 @@ class FabricStrategyMixin:
     @property
     def _log(self) -> logging.Logger:
         return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
+
+    def _configure_launcher(self) -> None:
+        # Called last while Fabric(...) is built, with the precision plugin attached: a
+        # precision conflict fails there, before any process is launched.
+        config_for_precision(self._user_config, precision_of(self.precision))
+        super()._configure_launcher()  # type: ignore[misc]
 
     def setup_environment(self) -> None:
         self._config = config_for_precision(self._user_config, precision_of(self.precision))

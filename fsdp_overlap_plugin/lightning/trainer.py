@@ -39,6 +39,7 @@ from ..parallelize import parallelize
 from ..report import format_report, schedule_report
 from ..sharding import build_mesh, is_sharded, materialize
 from ._common import (
+    CONFIG_FIELDS,
     build_config,
     config_for_precision,
     find_uninitialised,
@@ -109,7 +110,7 @@ class TrainerStrategyMixin:
         activation_checkpointing: list | None = None,
         separate_gather_group: bool | None = None,
     ) -> None:
-        overrides = {k: v for k, v in locals().items() if k in _CONFIG_ARGS}
+        overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
         self._user_config = build_config(config, overrides)  # a wrong key fails here, at Trainer(...)
         self._config: OverlapConfig | None = None
         self._module_spec = module
@@ -135,6 +136,13 @@ class TrainerStrategyMixin:
         return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
 
     # ------------------------------------------------------------- environment
+    def _configure_launcher(self) -> None:
+        # The last hook Lightning calls while building the Trainer, after the precision
+        # plugin is attached: a precision conflict fails at Trainer(...), before any
+        # process is launched.
+        config_for_precision(self._user_config, precision_of(self.precision_plugin))
+        super()._configure_launcher()  # type: ignore[misc]
+
     def setup_environment(self) -> None:
         # Pure checks first: a precision conflict fails on every rank before any collective.
         self._config = config_for_precision(self._user_config, precision_of(self.precision_plugin))
@@ -233,9 +241,6 @@ class TrainerStrategyMixin:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
 
 
-_CONFIG_ARGS = frozenset(OverlapConfig.field_docs())
-
-
 def _fn(trainer: Any) -> str | None:
     fn = trainer.state.fn
     return None if fn is None else str(getattr(fn, "value", fn))
@@ -255,8 +260,6 @@ def align_autocast_device(plugin: Any, device: torch.device) -> None:
     chose "cuda" for an accelerator it does not know (an NPU)."""
     if device.type not in ("cpu", "cuda") and getattr(plugin, "device", None) == "cuda":
         plugin.device = device.type
-        if getattr(plugin, "scaler", None) is not None:
-            plugin.scaler = torch.amp.GradScaler(device=device.type)
 
 
 def _warn_if_npu_unused(device: torch.device) -> None:
