@@ -20,22 +20,22 @@ import torch.nn as nn
 from ..config import OverlapConfig, OverlapConfigError, suggest
 
 __all__ = [
+    "CONFIG_FIELDS",
     "PRECISION_DTYPES",
     "build_config",
     "config_for_precision",
     "find_uninitialised",
     "log_once",
+    "no_gathers",
+    "on_meta",
     "precision_of",
     "report_metrics",
     "select_target",
-    "CONFIG_FIELDS",
 ]
 
-log = logging.getLogger("fsdp_overlap_plugin.lightning")
-
-# The OverlapConfig keys a strategy accepts as keyword arguments (and LightningCLI as
-# init_args). Kept in one place; tests/test_lightning.py checks the strategies' signatures
-# against OverlapConfig's fields so a new config key cannot be forgotten here.
+# The OverlapConfig keys. The strategies spell each out as a keyword argument (LightningCLI
+# accepts only named parameters as init_args); tests/test_lightning.py checks that their
+# signatures cover every key, so a key added to OverlapConfig cannot be forgotten there.
 CONFIG_FIELDS = tuple(OverlapConfig.field_docs())
 
 # Lightning precision flag -> (default param_dtype, default reduce_dtype,

@@ -30,20 +30,20 @@ def register() -> dict[str, list[str]]:
     """Register the names; returns ``{package: [names registered there]}``."""
     done: dict[str, list[str]] = {}
     has_npu = accelerators.npu_module() is not None
-    if _installed("lightning"):
-        from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as fabric_accelerators
-        from lightning.fabric.strategies import STRATEGY_REGISTRY as fabric_strategies
-        from lightning.pytorch.accelerators import AcceleratorRegistry as trainer_accelerators
-        from lightning.pytorch.strategies import StrategyRegistry as trainer_strategies
+    # ``lightning`` is a dependency of the package; the standalone packages are optional.
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as fabric_accelerators
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as fabric_strategies
+    from lightning.pytorch.accelerators import AcceleratorRegistry as trainer_accelerators
+    from lightning.pytorch.strategies import StrategyRegistry as trainer_strategies
 
-        from . import fabric, trainer
-        from . import npu as npu_classes
+    from . import fabric, trainer
+    from . import npu as npu_classes
 
-        _strategies(trainer_strategies, trainer.FSDPOverlapStrategy, done, "lightning.pytorch")
-        _strategies(fabric_strategies, fabric.FSDPOverlapFabricStrategy, done, "lightning.fabric")
-        if has_npu:
-            _accelerator(trainer_accelerators, npu_classes.NPUAccelerator, done, "lightning.pytorch")
-            _accelerator(fabric_accelerators, npu_classes.NPUFabricAccelerator, done, "lightning.fabric")
+    _strategies(trainer_strategies, trainer.FSDPOverlapStrategy, done, "lightning.pytorch")
+    _strategies(fabric_strategies, fabric.FSDPOverlapFabricStrategy, done, "lightning.fabric")
+    if has_npu:
+        _accelerator(trainer_accelerators, npu_classes.NPUAccelerator, done, "lightning.pytorch")
+        _accelerator(fabric_accelerators, npu_classes.NPUFabricAccelerator, done, "lightning.fabric")
     if _installed("pytorch_lightning") and _installed("lightning_fabric"):
         from lightning_fabric.accelerators import ACCELERATOR_REGISTRY as fabric_accelerators
         from lightning_fabric.strategies import STRATEGY_REGISTRY as fabric_strategies
