@@ -12,6 +12,12 @@ from .sharding import gather_disabled, materialize
 
 check_torch_version()
 
+# Lightning has no entry-point discovery: registering "fsdp_overlap" (and "npu" when
+# torch_npu imports) in every installed Lightning registry happens on import.
+from .lightning.register import register as _register_lightning  # noqa: E402
+
+_register_lightning()
+
 __all__ = [
     "MeshConfig",
     "OverlapConfig",

@@ -1,0 +1,211 @@
+"""``Fabric(strategy="fsdp_overlap")``: the Fabric strategy.
+
+setup_environment   precision -> dtypes (checked), process group, data-parallel mesh
+setup_module        ``parallelize`` (plan, shard, compile in place), ``materialize``
+                    on meta; ``fabric.setup(model, optimizer)`` re-points the
+                    optimizer at the sharded parameters (an optimizer must not keep
+                    references to the replaced full-size ones)
+backward            after the first one: the schedule report to the console and in
+                    ``strategy.schedule_report`` / ``strategy.schedule_metrics``
+no_backward_sync    a no-op (the reduce-scatter is in the compiled backward graph;
+                    sharded gradients still accumulate, results are unchanged)
+checkpoints         sharded by default, full with ``save_distributed_checkpoint=False``
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch.nn as nn
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+
+from .. import accelerators
+from ..config import OverlapConfig, OverlapConfigError
+from ..parallelize import parallelize
+from ..report import format_report, schedule_report
+from ..sharding import build_mesh, materialize
+from ._common import (
+    CONFIG_FIELDS,
+    build_config,
+    config_for_precision,
+    find_uninitialised,
+    log_once,
+    no_gathers,
+    on_meta,
+    precision_of,
+    report_metrics,
+)
+from .trainer import _parallelized_module, _warn_if_npu_unused, align_autocast_device
+
+__all__ = ["FSDPOverlapFabricStrategy", "FabricStrategyMixin"]
+
+
+class _AlwaysSync:
+    """Fabric's ``no_backward_sync`` for a strategy whose reduction is compiled in."""
+
+    def __init__(self, logger: logging.Logger):
+        self._logger = logger
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if enabled:
+            log_once(
+                self._logger,
+                "no_backward_sync",
+                "fsdp_overlap: no_backward_sync() does not skip the reduce-scatter (it is part of the compiled "
+                "backward graph); the reduced, sharded gradients accumulate, so results are unchanged.",
+            )
+        return nullcontext()
+
+
+class FabricStrategyMixin:
+    """The Fabric strategy's behaviour, on top of Fabric's ``ModelParallelStrategy``.
+
+    Takes the same arguments as the Trainer strategy (``FSDPOverlapStrategy``) except
+    ``module``: Fabric parallelizes the module given to ``fabric.setup``/``setup_module``.
+    """
+
+    _lightning_package = "lightning.fabric"
+
+    def __init__(
+        self,
+        config: OverlapConfig | dict | str | None = None,
+        *,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        bucket_plans: str | list | None = None,
+        manual_bucketing: bool | None = None,
+        overlap_grad_reduce: bool | None = None,
+        reshard_after_forward: bool | None = None,
+        reshard_last_bucket: bool | None = None,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        compile: bool | None = None,
+        backend: str | None = None,
+        fullgraph: bool | None = None,
+        mesh: dict | None = None,
+        activation_checkpointing: list | None = None,
+        separate_gather_group: bool | None = None,
+    ) -> None:
+        overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
+        self._user_config = build_config(config, overrides)
+        self._config: OverlapConfig | None = None
+        self.schedule_report: dict | None = None
+        self.schedule_metrics: dict[str, float] = {}
+        self._parallelized: nn.Module | None = None
+        super().__init__(  # type: ignore[call-arg]
+            parallelize_fn=self._parallelize,
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._backward_sync_control = _AlwaysSync(self._log)
+
+    @property
+    def overlap_config(self) -> OverlapConfig:
+        """The config in force: the user's, completed from the precision once set up."""
+        return self._config or self._user_config
+
+    @property
+    def _log(self) -> logging.Logger:
+        return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
+
+    def _configure_launcher(self) -> None:
+        # Called last while Fabric(...) is built, with the precision plugin attached: a
+        # precision conflict fails there, before any process is launched.
+        config_for_precision(self._user_config, precision_of(self.precision))
+        super()._configure_launcher()  # type: ignore[misc]
+
+    def setup_environment(self) -> None:
+        self._config = config_for_precision(self._user_config, precision_of(self.precision))
+        align_autocast_device(self.precision, self.root_device)
+        # Not ModelParallelStrategy.setup_environment: its (data, tensor) mesh is not ours.
+        self.accelerator.setup_device(self.root_device)
+        self._setup_distributed()  # seed, ranks, process group
+        self._device_mesh = build_mesh(self._config, self.root_device.type)
+        _warn_if_npu_unused(self.root_device)
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or accelerators.backend_for(self.root_device.type)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ module
+    def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:
+        """Fabric's ``parallelize_fn``: called by ``setup_module`` with our mesh."""
+        done = _parallelized_module(module)
+        if done is None:
+            if not on_meta(module):
+                module.to(self.root_device)
+            parallelize(module, self.overlap_config, mesh=mesh)
+            done = module
+        self._parallelized = done
+        if on_meta(module):
+            missing = find_uninitialised(module)
+            if missing:
+                rank_zero_warn(
+                    "fsdp_overlap: these modules hold meta-device parameters or buffers but define no "
+                    f"reset_parameters(), so their memory stays uninitialised: {', '.join(missing)}."
+                )
+            materialize(module, self.root_device)
+        return module
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        # Sharding replaces every parameter by a new one; an optimizer built before that
+        # would step the old, full-size tensors. Re-point it, by parameter name.
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise OverlapConfigError(
+                    "fsdp_overlap: the optimizer already has state; set up the model first "
+                    "(fabric.setup_module(model)), then create the optimizer and call fabric.setup_optimizers()."
+                )
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters(remove_duplicate=False))
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                try:
+                    group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+                except KeyError:
+                    raise OverlapConfigError(
+                        "fsdp_overlap: the optimizer holds a tensor that is not a parameter of the model given "
+                        "to fabric.setup(); create the optimizer after fabric.setup_module(model)."
+                    ) from None
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    # ---------------------------------------------------------------- training
+    def backward(self, tensor: Any, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+        if self.schedule_report is None and self._parallelized is not None:
+            self.schedule_report = schedule_report(self._parallelized)
+            self.schedule_metrics = report_metrics(self.schedule_report)
+            if self.global_rank == 0:
+                self._log.info(format_report(self.schedule_report))
+
+    # ------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: Any, state: dict, storage_options: Any = None, filter: Any = None) -> None:
+        with no_gathers():
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        with no_gathers():
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
+
+
+class FSDPOverlapFabricStrategy(FabricStrategyMixin, ModelParallelStrategy):
+    __doc__ = FabricStrategyMixin.__doc__
+    _lightning_package = "lightning.fabric"

@@ -1,0 +1,277 @@
+"""``Trainer(strategy="fsdp_overlap")``: the Lightning Trainer strategy.
+
+Lifecycle (each hook does one thing and calls the core):
+
+    setup_environment   precision -> param/reduce dtypes (checked), process group
+                        (cuda -> nccl, npu -> hccl, cpu -> gloo), the data-parallel mesh
+                        of the core (``(shard,)`` or ``(replicate, shard)``: every rank is
+                        a data-parallel rank, no tensor-parallel axis)
+    configure_model     (the user's hook, run by the Trainer; may build on the meta device)
+    setup               cast for "-true" precisions -> ``parallelize`` (plan, shard, compile
+                        in place) -> ``materialize`` if on meta -> optimizers; checkpoint
+                        loading comes after this, onto the shards
+    optimizer_step      after the first one: the schedule report, to the console and as
+                        ``self.log`` metrics (``fsdp_overlap/...``)
+    checkpoints         sharded (DCP directory) by default, one full file with
+                        ``save_distributed_checkpoint=False``; parameters are read as
+                        shards, never gathered one by one
+
+The class is written as a mixin so that the same code serves ``lightning.pytorch`` and
+the standalone ``pytorch_lightning`` package (``standalone.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn as nn
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.distributed.constants import default_pg_timeout
+
+from .. import accelerators
+from ..compile import get_state
+from ..config import OverlapConfig
+from ..parallelize import parallelize
+from ..report import format_report, schedule_report
+from ..sharding import build_mesh, is_sharded, materialize
+from ._common import (
+    CONFIG_FIELDS,
+    build_config,
+    config_for_precision,
+    find_uninitialised,
+    log_once,
+    no_gathers,
+    on_meta,
+    precision_of,
+    report_metrics,
+    select_target,
+)
+
+__all__ = ["FSDPOverlapStrategy", "TrainerStrategyMixin"]
+
+
+class TrainerStrategyMixin:
+    """The Trainer strategy's behaviour, on top of Lightning's ``ModelParallelStrategy``.
+
+    Args:
+        config: an ``OverlapConfig``, a dict of its keys, or a YAML path. The plain
+            string ``"fsdp_overlap"`` means the defaults: ``bucket_plans: auto``, all
+            passes on.
+        module: which module of the LightningModule to parallelize and compile:
+            ``"auto"`` (the single child holding all parameters, else the
+            LightningModule), ``""`` (the LightningModule: call ``self(x)``), or an FQN.
+            Bucket plans are written relative to it.
+        save_distributed_checkpoint: True (default) writes a sharded distributed
+            checkpoint (a directory, one file per rank); False gathers one full file on
+            rank 0.
+        process_group_backend: overrides the backend (default: nccl / hccl / gloo for
+            cuda / npu / cpu).
+        timeout: process-group timeout.
+        bucket_plans ... separate_gather_group: any ``OverlapConfig`` key; a value left
+            at None keeps the one from ``config`` (or the default).
+
+    Precision: ``Trainer(precision=...)`` sets ``param_dtype`` / ``reduce_dtype``
+    (``"bf16-mixed"``: gather in bf16, reduce in fp32, autocast kept; ``"bf16-true"``:
+    bf16 shards, bf16 reduce; ``"32-true"``: fp32). A dtype set in the config wins if
+    it is compatible with the precision and is an error if it contradicts it.
+
+    Gradient accumulation: the reduce-scatter of each gradient is part of the compiled
+    backward graph, so every micro-batch reduces its gradients (as FSDP2 does unless
+    told otherwise); the reduced, sharded gradients accumulate in ``param.grad``. The
+    result equals one reduction per optimizer step; the cost is one reduce-scatter per
+    micro-batch, and gradient memory stays sharded.
+    """
+
+    _lightning_package = "lightning.pytorch"
+
+    def __init__(
+        self,
+        config: OverlapConfig | dict | str | None = None,
+        *,
+        module: str = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        bucket_plans: str | list | None = None,
+        manual_bucketing: bool | None = None,
+        overlap_grad_reduce: bool | None = None,
+        reshard_after_forward: bool | None = None,
+        reshard_last_bucket: bool | None = None,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        compile: bool | None = None,
+        backend: str | None = None,
+        fullgraph: bool | None = None,
+        mesh: dict | None = None,
+        activation_checkpointing: list | None = None,
+        separate_gather_group: bool | None = None,
+    ) -> None:
+        overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
+        self._user_config = build_config(config, overrides)  # a wrong key fails here, at Trainer(...)
+        self._config: OverlapConfig | None = None
+        self._module_spec = module
+        self._parallelized: nn.Module | None = None
+        self.schedule_report: dict | None = None
+        super().__init__(  # type: ignore[call-arg]
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    # ------------------------------------------------------------------ config
+    @property
+    def overlap_config(self) -> OverlapConfig:
+        """The config in force: the user's, completed from the precision once set up."""
+        return self._config or self._user_config
+
+    @property
+    def _log(self) -> logging.Logger:
+        # A child of Lightning's logger, so messages reach the console like Lightning's own.
+        return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
+
+    # ------------------------------------------------------------- environment
+    def _configure_launcher(self) -> None:
+        # The last hook Lightning calls while building the Trainer, after the precision
+        # plugin is attached: a precision conflict fails at Trainer(...), before any
+        # process is launched.
+        config_for_precision(self._user_config, precision_of(self.precision_plugin))
+        super()._configure_launcher()  # type: ignore[misc]
+
+    def setup_environment(self) -> None:
+        # Pure checks first: a precision conflict fails on every rank before any collective.
+        self._config = config_for_precision(self._user_config, precision_of(self.precision_plugin))
+        self._align_precision_device()
+        self._setup_distributed()  # device, seed, ranks, process group
+        self._device_mesh = build_mesh(self._config, self.root_device.type)
+        # configure_model() may read it, as with ModelParallelStrategy.
+        self.lightning_module._device_mesh = self._device_mesh
+        _warn_if_npu_unused(self.root_device)
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or accelerators.backend_for(self.root_device.type)
+
+    def _align_precision_device(self) -> None:
+        """Lightning builds its autocast plugin for "cuda" unless the accelerator is cpu
+        or mps; on an NPU, autocast must target "npu"."""
+        align_autocast_device(self.precision_plugin, self.root_device)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank (also on an HSDP mesh): each reads its own data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -------------------------------------------------------------------- setup
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        root = self.lightning_module
+        done = _parallelized_module(root)
+        if done is None:
+            # "-true" precisions: cast before sharding, so the shards are in that dtype.
+            self.model = self.precision_plugin.convert_module(self.model)
+            _, target = select_target(root, self._module_spec)
+            if not on_meta(root):
+                root.to(self.root_device)
+            parallelize(target, self.overlap_config, mesh=self.device_mesh)
+            done = target
+        self._parallelized = done
+        if on_meta(root):
+            missing = find_uninitialised(root)
+            if missing:
+                rank_zero_warn(
+                    "fsdp_overlap: these modules hold meta-device parameters or buffers but define no "
+                    f"reset_parameters(), so their memory stays uninitialised: {', '.join(missing)}. "
+                    "Load a checkpoint (ckpt_path=...) or initialise them in reset_parameters()."
+                )
+            materialize(root, self.root_device)
+        self.barrier()
+        if _fn(trainer) == "fit":
+            self.setup_optimizers(trainer)
+            if trainer.accumulate_grad_batches > 1:
+                log_once(
+                    self._log,
+                    "accumulate",
+                    f"fsdp_overlap: accumulate_grad_batches={trainer.accumulate_grad_batches}: every micro-batch "
+                    "reduce-scatters its gradients inside the compiled backward; the sharded gradients "
+                    "accumulate locally, so results equal one reduction per optimizer step.",
+                )
+        self.setup_precision_plugin()
+
+    # ---------------------------------------------------------------- training
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        if self.schedule_report is None and self._parallelized is not None:
+            self._report_first_step()
+        return output
+
+    def _report_first_step(self) -> None:
+        report = schedule_report(self._parallelized)
+        self.schedule_report = report
+        state = get_state(self._parallelized)
+        if report["mode"] == "compiled" and report["forward"] is None and state is not None:
+            rank_zero_warn(
+                "fsdp_overlap: the first training step did not run the compiled forward of the parallelized "
+                f"module ({type(self._parallelized).__name__}); its parameters were gathered eagerly, one by one. "
+                "Call it (self(x) or self.<module>(x)) in training_step, or choose it with "
+                "FSDPOverlapStrategy(module=...)."
+            )
+        if self.global_rank == 0:
+            self._log.info(format_report(report))
+        module = self.lightning_module
+        if module is not None and getattr(module, "_current_fx_name", None) is not None:
+            module.log_dict(report_metrics(report), on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------- checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with no_gathers():
+            return super().lightning_module_state_dict()  # type: ignore[misc]
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        with no_gathers():
+            return super().optimizer_state(optimizer)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        with no_gathers():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+
+
+def _fn(trainer: Any) -> str | None:
+    fn = trainer.state.fn
+    return None if fn is None else str(getattr(fn, "value", fn))
+
+
+def _parallelized_module(root: nn.Module) -> nn.Module | None:
+    """The module ``parallelize`` already ran on (by us on an earlier ``fit``/``validate``,
+    or by the user inside ``configure_model``), or None."""
+    for module in root.modules():
+        if get_state(module) is not None:
+            return module
+    return root if is_sharded(root) else None
+
+
+def align_autocast_device(plugin: Any, device: torch.device) -> None:
+    """Point a Lightning/Fabric mixed-precision plugin at ``device``'s type if Lightning
+    chose "cuda" for an accelerator it does not know (an NPU)."""
+    if device.type not in ("cpu", "cuda") and getattr(plugin, "device", None) == "cuda":
+        plugin.device = device.type
+
+
+def _warn_if_npu_unused(device: torch.device) -> None:
+    """Lightning's ``accelerator="auto"`` does not know NPUs; say so instead of training
+    on the CPU of an NPU machine without a word."""
+    if device.type == "cpu" and accelerators.npu_module() is not None and accelerators.detect_device_type() == "npu":
+        rank_zero_warn(
+            "fsdp_overlap: an Ascend NPU is available but this run uses the CPU. Lightning's "
+            "accelerator='auto' does not detect NPUs: pass accelerator='npu'."
+        )
+
+
+class FSDPOverlapStrategy(TrainerStrategyMixin, ModelParallelStrategy):
+    __doc__ = TrainerStrategyMixin.__doc__
+    _lightning_package = "lightning.pytorch"
