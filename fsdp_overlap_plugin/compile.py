@@ -176,6 +176,9 @@ def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
         reshard_last_bucket=config.reshard_last_bucket,
     )
     state.reshard = stats
+    from .report import save_record
+
+    save_record(state.uuid(), {"graph": "joint", **stats})  # for the report after a cache hit
 
 
 class OverlapGraphPass(CustomInferenceAwareGraphPass):

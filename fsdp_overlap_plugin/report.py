@@ -231,6 +231,10 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             if record is not None:
                 record = dict(record, from_cache=True)
         report[kind] = record
+    if not report["reshard"] and config.compile and not state.fallback:
+        stored = load_record(state.uuid(), "joint")
+        if stored is not None:
+            report["reshard"] = {k: v for k, v in stored.items() if k != "graph"} | {"from_cache": True}
     report["predicted"] = predicted(report)
     return report
 

@@ -63,8 +63,27 @@ def _dcp_roundtrip(rank: int, world: int, path: str) -> dict:
     return {"a_to_b": a_to_b, "b_to_c": b_to_c, "c_losses": c_losses}
 
 
+def _meta_init(rank: int, world: int) -> dict:
+    """A meta-device model sharded, then materialized: each rank holds a different part of
+    one initialisation, equal to the same initialisation done without sharding."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        sharded = make_model(seed=5, tie_weights=True, vocab_size=255)
+    fo.parallelize(sharded, backend="aot_eager")
+    torch.manual_seed(5)
+    fo.materialize(sharded, "cpu")
+    with torch.device("meta"):
+        plain = make_model(seed=5, tie_weights=True, vocab_size=255)
+    torch.manual_seed(5)
+    fo.materialize(plain, "cpu")  # no DTensors: the same init, unsharded
+    local = sharded.state_dict()["blocks.0.mlp.fc.weight"].to_local().clone()
+    return {"sharded": full_params(sharded), "plain": full_params(plain), "local": local}
+
+
 def _aot_eager_scenarios(rank: int, world: int, path: str) -> dict:
     return {
+        "meta_init": [_meta_init(rank, world)],
         "dcp": _dcp_roundtrip(rank, world, path),
         "fp32": _run(rank, world, backend="aot_eager"),
         "no_reshard": _run(rank, world, backend="aot_eager", reshard_after_forward=False),
@@ -128,6 +147,17 @@ def test_bf16_params_fp32_reduce_trains(aot_eager_results):
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.5, losses
     assert set(result["dtypes"].values()) == {torch.float32}  # master weights stay fp32
+
+
+def test_materialize_gives_each_rank_its_part_of_one_init(aot_eager_results):
+    result = aot_eager_results["meta_init"][0]
+    for name, value in result["plain"].items():
+        assert torch.equal(result["sharded"][name], value), name
+    fc = result["plain"]["blocks.0.mlp.fc.weight"]
+    rows = fc.shape[0] // 2
+    assert torch.equal(result["local"], fc[:rows])  # rank 0's shard ...
+    assert not torch.equal(fc[:rows], fc[rows:])  # ... and not a tiled copy of rank 1's
+    assert torch.equal(result["sharded"]["head.weight"], result["sharded"]["tok_emb.weight"])
 
 
 def test_dcp_checkpoint_interoperates_with_eager_fully_shard(aot_eager_results):

@@ -97,6 +97,7 @@ class TrainerStrategyMixin:
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         bucket_plans: str | list | None = None,
+        bucket_bytes: int | str | None = None,
         manual_bucketing: bool | None = None,
         overlap_grad_reduce: bool | None = None,
         reshard_after_forward: bool | None = None,
@@ -109,6 +110,7 @@ class TrainerStrategyMixin:
         mesh: dict | None = None,
         activation_checkpointing: list | None = None,
         separate_gather_group: bool | None = None,
+        reduce_scatter_impl: str | None = None,
     ) -> None:
         overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
         self._user_config = build_config(config, overrides)  # a wrong key fails here, at Trainer(...)
