@@ -282,6 +282,10 @@ def test_code_order_phase_passes_on_cpu_inductor_code(cpu_code):
     assert result["expected"]["backward_buckets"] == [2, 1]
     assert [w["numel"] for w in bwd] == [12 * d * d + 2 * d] * 2  # Linear weights + LayerNorm weights
     assert all(w["compute"] >= 1 for w in bwd)
+    # on a separate gather group, as NCCL runs it: every parameter's all-gather (29 = 2
+    # embeddings + 2 x 12 per block + norm 2 + head 1), and the 2 x 6 weights re-gathered
+    assert result["passes"]["forward"]["gather_group"]["moved"] == 29
+    assert result["passes"]["backward"]["gather_group"]["moved"] == 12
 
 
 @pytest.mark.slow

@@ -47,11 +47,13 @@ def test_one_nccl_rank_fp32_matches_the_unsharded_model():
     with nccl_world_of_one():
         torch.manual_seed(0)
         model = gpt_small().cuda()
-        fo.parallelize(model, backend="inductor")  # passes on, fp32
+        # passes on, fp32; aot_eager runs the same ATen ops as eager, so the only difference
+        # from the reference is the sharding (inductor on the GPU: the bf16 test below)
+        fo.parallelize(model, backend="aot_eager")
         losses = _train(model, 4)
         report = fo.schedule_report(model)
     assert report["device_type"] == "cuda" and report["world_size"] == 1
-    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     assert losses[-1] < losses[0]
 
 
