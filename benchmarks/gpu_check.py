@@ -1016,8 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"gpu_check: stopped by signal {signum}; files written to {out}")
         sys.exit(1)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for phase in args.phase_list:
             run = runs[phase] = PhaseRun(phase)
@@ -1035,12 +1034,17 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"[{phase}] skipped: {run.note}")
                     continue
             result = result_file(caches, phase)
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(caches / f"inductor-{phase}"))
+            # an empty compile cache per phase (inductor's and Triton's): cold, comparable compile times
+            cache = caches / f"cache-{phase}"
+            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache))
+            env["TRITON_CACHE_DIR"] = str(cache / "triton")
             env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
             say(f"[{phase}] running (limit {run.limit:.0f} s)")
             run.status, run.seconds = run_child(child_command(args, phase, result), out / "phases.log", run.limit, env)
             if phase == "tests" and result.exists():
                 run.result = read_junit(result)
+                if run.status == "failed":
+                    run.note = "{failures} failed, {errors} errors, {passed} passed".format(**run.result)
             elif result.exists():
                 run.result = json.loads(result.read_text())
                 if run.result.get("status") == "failed" and run.status == "ok":
@@ -1054,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
                 say("  last lines of phases.log:\n    " + _tail(out / "phases.log").replace("\n", "\n    "))
             write_files(out, args, runs, env_info, final=False)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         shutil.rmtree(caches, ignore_errors=True)
     summary, checks = write_files(out, args, runs, env_info, final=True)
     say("")

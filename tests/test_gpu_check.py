@@ -345,8 +345,10 @@ _FAKE_CHILD = textwrap.dedent(
     print(f"fake {phase} running")
     if payload is None:
         sys.exit(1)
-    if phase == "tests":
-        open(path, "w").write(payload)
+    if phase == "tests":  # junit XML, or [XML, pytest's exit code]
+        xml, rc = payload if isinstance(payload, list) else (payload, 0)
+        open(path, "w").write(xml)
+        sys.exit(rc)
     else:
         json.dump(payload, open(path, "w"))
     """
@@ -427,12 +429,24 @@ def test_parent_fails_loudly_on_a_loss_mismatch_and_a_failed_phase(tmp_path, mon
 def test_parent_fails_when_the_loss_does_not_fall_or_tests_fail(tmp_path, monkeypatch):
     results = _all_ok()
     results["eager"] = _train_result([10.0, 10.0, 10.5])
-    results["tests"] = None  # pytest exits non-zero
+    results["tests"] = [JUNIT.replace('failures="0"', 'failures="2"'), 1]  # pytest: 2 failed
     _fake_phases(monkeypatch, results)
     assert gc.main(["--out", str(tmp_path)]) == 1
     summary = (tmp_path / "summary.md").read_text()
     assert "- [ ] eager: loss finite and falling: 10.0000 -> 10.5000" in summary
-    assert "- [ ] phase tests: failed" in summary
+    assert "- [ ] phase tests: failed: 2 failed, 0 errors, 2 passed" in summary
+    results["tests"] = None  # pytest dies before writing its report
+    assert gc.main(["--out", str(tmp_path)]) == 1
+    assert "- [ ] phase tests: failed\n" in (tmp_path / "summary.md").read_text()
+
+
+def test_parent_restores_signal_handlers(tmp_path, monkeypatch):
+    import signal
+
+    _fake_phases(monkeypatch, _all_ok())
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert gc.main(["--out", str(tmp_path), "--phases", "matmul"]) == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_parent_skips_phases_once_the_budget_is_spent(tmp_path, monkeypatch):
