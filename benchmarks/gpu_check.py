@@ -35,6 +35,7 @@ generated code the code-order phase checked).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
@@ -470,7 +471,9 @@ def _init_world_of_one(device_type: str = "cuda") -> None:
     if device_type == "cuda":
         torch.cuda.set_device(0)
     backend = accelerators.backend_for(device_type)
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="gpu_check_store_"), "store"), 1)
+    folder = tempfile.mkdtemp(prefix="gpu_check_store_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    store = dist.FileStore(os.path.join(folder, "store"), 1)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
