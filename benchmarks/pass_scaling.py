@@ -17,6 +17,7 @@ adds a few graph nodes, and creating an FX node costs tens of microseconds in to
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import time
@@ -37,6 +38,9 @@ def build(target_nodes: int, nodes_per_param: int = 25):
 
 def measure(target_nodes: int, nodes_per_param: int) -> dict:
     gm, plan = build(target_nodes, nodes_per_param)
+    # FX graphs are cyclic garbage: without this, the previous sizes' graphs are still
+    # on the heap and make every garbage-collector pass during the timed region slower
+    gc.collect()
     nodes = len(gm.graph.nodes)
     start = time.perf_counter()
     manual_bucketing(gm, plan, recompile=False)  # as the compile wiring runs them

@@ -669,6 +669,8 @@ def torch_auto_patch(rate_bps: float) -> dict:
         "aten_distributed_optimizations.enable_overlap_scheduling": True,
         "aten_distributed_optimizations.collective_bucketing": True,
         "aten_distributed_optimizations.custom_runtime_estimation": estimate,
+        # the default "benchmark" times kernels on a GPU to align ranks' estimates
+        "aten_distributed_optimizations.compute_estimator": "analytical",
     }
 
 
