@@ -66,18 +66,22 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 600, en
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
+    wait = timeout
     try:
         for _ in range(world):
-            rank, status, value = results.get(timeout=timeout)
+            rank, status, value = results.get(timeout=wait)
             if status == "ok":
                 import torch
 
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
-                break  # the other ranks may now wait forever in a collective
+                # the other ranks may now wait forever in a collective: give them a short
+                # while to report their own error (often the root cause), no more
+                wait = min(wait, 20)
     except queue.Empty:
-        errors.append(f"timed out after {timeout} s waiting for ranks {sorted(set(range(world)) - set(out))}")
+        if not errors:
+            errors.append(f"timed out after {timeout} s waiting for ranks {sorted(set(range(world)) - set(out))}")
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

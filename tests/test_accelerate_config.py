@@ -447,6 +447,8 @@ def test_prepare_refuses_what_it_cannot_do(monkeypatch):
 def test_cpu_only_fsdp_launch_gets_gloo_ranks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "torch_npu", None)
+    # registered with monkeypatch first, so the value the function sets is undone too
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     assert not use_gloo_on_cpu_only_launch()  # not a worker of a launch
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
