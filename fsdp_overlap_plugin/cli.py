@@ -576,7 +576,7 @@ def analyze(
     ``OverlapConfigError`` (plan, mesh or activation-checkpointing problems).
     """
     from .parallelize import unbucketed_parameters
-    from .sharding import apply_activation_checkpointing
+    from .sharding import resolve_activation_checkpointing
 
     loaded = loaded or LoadedConfig(config)
     warn_list: list[dict[str, Any]] = [{"kind": "config", "buckets": [], "message": m} for m in loaded.warnings]
@@ -602,7 +602,7 @@ def analyze(
     if config.activation_checkpointing:
         # The same resolver parallelize() uses; on a throw-away meta model it only wraps forwards.
         try:
-            checkpointed = apply_activation_checkpointing(model, config.activation_checkpointing)
+            checkpointed = resolve_activation_checkpointing(model, config.activation_checkpointing)
         except OverlapConfigError as exc:
             raise OverlapConfigError(loaded.rename(str(exc))) from None
     rows = _bucket_rows(model, config, plan)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,15 @@ from . import passes
 from .config import OverlapConfig
 from .passes.graph import collective_counts, graph_kind
 
-__all__ = ["OverlapState", "compile_model", "run_passes", "get_state"]
+__all__ = [
+    "CompileFallback",
+    "GraphBreakError",
+    "PeerCompileError",
+    "OverlapState",
+    "compile_model",
+    "get_state",
+    "run_passes",
+]
 
 log = logging.getLogger("fsdp_overlap_plugin")
 
@@ -69,6 +78,9 @@ class OverlapState:
     reshard: dict = field(default_factory=dict)
     unbucketed_params: list[str] = field(default_factory=list)
     fallback: str | None = None
+    instance: int = 0  # the n-th model prepared in this process: the same on every rank
+    dynamo_graphs: int = 0  # graphs Dynamo handed to our backend so far
+    called: bool = False  # the compiled forward has run once
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph."""
@@ -256,12 +268,187 @@ def aot_eager_backend(state: OverlapState):
     )
 
 
+class CompileFallback(RuntimeError):
+    """Every rank agreed to run the model without compiling it (``on_compile_error: eager``)."""
+
+
+class GraphBreakError(RuntimeError):
+    """The forward has a graph break while ``fullgraph`` is true."""
+
+
+class PeerCompileError(RuntimeError):
+    """Compilation failed on another rank, so this one stops too (``on_compile_error: raise``)."""
+
+
+def _inner_backend(state: OverlapState):
+    if state.config.backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        options = inductor_options(state)
+
+        def inductor(gm: fx.GraphModule, example_inputs: list) -> Any:
+            return compile_fx(gm, example_inputs, config_patches=options)
+
+        return inductor
+    return aot_eager_backend(state)
+
+
+def overlap_backend(state: OverlapState):
+    """The backend given to ``torch.compile``: rank check, compile, compile agreement.
+
+    Dynamo calls it for every graph on every rank (also when inductor's caches hit), so
+    the agreement rounds line up. The backward is compiled here too
+    (``force_non_lazy_backward_lowering``), so a failure anywhere in compilation is known
+    before any rank runs the graph and its collectives.
+    """
+    inner = _inner_backend(state)
+    config = state.config
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
+        from .ranks import RankAgreement, RankMismatchError, graph_fingerprint
+
+        state.dynamo_graphs += 1
+        index = state.dynamo_graphs
+        agreement = RankAgreement.default(
+            f"fsdp_overlap/{state.uuid()}/{state.instance}/graph{index}", config.rank_check_timeout
+        )
+        if agreement is not None and config.rank_check != "off":
+            digest, entries = graph_fingerprint(gm, extra=json.dumps(state.plan))
+            difference = agreement.same_graph("fingerprint", digest, entries)
+            if difference is not None:
+                message = (
+                    f"fsdp-overlap: the ranks compiled different graphs (graph {index}): {difference}. Every "
+                    "rank must run the same model code, shapes and config; ranks running different graphs "
+                    "would issue collectives that never match. (rank_check: warn only warns; off skips this.)"
+                )
+                if config.rank_check == "error":
+                    raise RankMismatchError(message)
+                warnings.warn(message, stacklevel=2)
+        error: BaseException | None = None
+        try:
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                compiled = inner(gm, example_inputs)
+        except Exception as exc:  # every rank must hear of it before anyone runs the graph
+            error = exc
+        if agreement is not None:
+            failures = agreement.all_succeeded("compile", None if error is None else f"{type(error).__name__}: {error}")
+        else:
+            failures = [f"rank 0: {type(error).__name__}: {error}"] if error is not None else []
+        if failures:
+            if config.on_compile_error == "eager":
+                raise CompileFallback(failures[0][:2000])
+            if error is not None:
+                raise error
+            raise PeerCompileError(
+                f"fsdp-overlap: compilation failed on another rank ({failures[0][:2000]}); this rank stops too "
+                "instead of waiting for it in a collective. on_compile_error: eager runs every rank uncompiled."
+            )
+        return compiled
+
+    return backend
+
+
+def _find(exc: BaseException, kind: type) -> BaseException | None:
+    """``exc`` or an exception it wraps (cause, context, Dynamo's inner_exception) of type ``kind``."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        cur = stack.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, kind):
+            return cur
+        stack.extend([cur.__cause__, cur.__context__, getattr(cur, "inner_exception", None)])
+    return None
+
+
+def graph_break_message(exc: BaseException) -> str:
+    """The user's line a graph break happened at, and what to do about it."""
+    text = str(exc)
+    where = ""
+    if "from user code:" in text:
+        frames = [
+            line.strip()
+            for line in text.split("from user code:", 1)[1].splitlines()
+            if line.strip().startswith("File ")
+        ]
+        if frames:
+            where = frames[-1]
+    reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return (
+        f"fsdp-overlap: fullgraph: true, but the model's forward has a graph break"
+        f"{' at ' + where if where else ''}: {reason}. Collectives outside a graph cannot be bucketed or "
+        "overlapped. Remove the break, or set fullgraph: false to compile the pieces separately (their "
+        "collectives in between then run eagerly)."
+    )
+
+
+def _warn_graph_breaks(model: nn.Module, state: OverlapState, graphs: int, records: list[dict]) -> None:
+    forward = [r for r in records if r["graph"] == "forward"]
+    gathered = sum(r["before"]["all_gather"] for r in forward)
+    bucketed = sum(r["after"]["all_gather"] for r in forward)
+    total = sum(1 for m in model.modules() for p in m._parameters.values() if p is not None)
+    counted = (
+        f"{gathered} of the model's {total} parameter reads were traced into them ({bucketed} all-gathers "
+        f"after bucketing; modules compiled in a graph of their own are seen relative to it, so plan "
+        f"entries may not match them); the other {max(total - gathered, 0)} gather eagerly between the "
+        "graphs, not overlapped"
+        if forward
+        else "the passes are off, so no all-gather was bucketed"
+    )
+    warnings.warn(
+        f"fsdp-overlap: graph breaks split the forward into {graphs} compiled graphs (fullgraph: false); "
+        f"{counted}. Remove the breaks for full overlap (fullgraph: true reports where they are).",
+        stacklevel=3,
+    )
+
+
+def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
+    """Wrap the compiled forward: graph breaks under fullgraph become a clear error; an
+    agreed compile failure switches to the eager forward; graph breaks under
+    fullgraph: false are reported once."""
+    compiled = model._compiled_call_impl
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first = not state.called
+        graphs_before, records_before = state.dynamo_graphs, len(state.records)
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as exc:
+            fallback = _find(exc, CompileFallback)
+            if fallback is not None:
+                state.fallback = str(fallback)
+                model._compiled_call_impl = None  # from now on nn.Module runs the eager forward
+                warnings.warn(
+                    f"fsdp-overlap: compilation failed ({state.fallback[:500]}); on_compile_error: eager, so "
+                    "every rank now runs the sharded model uncompiled: same numerics, collectives gathered "
+                    "per parameter as FSDP2 does, no passes.",
+                    stacklevel=2,
+                )
+                return model._call_impl(*args, **kwargs)
+            from .ranks import RankMismatchError, RankTimeoutError
+
+            ours = _find(exc, (RankMismatchError, RankTimeoutError, PeerCompileError))
+            if ours is not None:
+                raise ours from None  # our message, not Dynamo's wrapper around it
+            unsupported = _find(exc, torch._dynamo.exc.Unsupported)
+            if unsupported is not None and state.config.fullgraph:
+                raise GraphBreakError(graph_break_message(unsupported)) from exc
+            raise
+        if first:
+            state.called = True
+            graphs = state.dynamo_graphs - graphs_before
+            if graphs > 1:
+                _warn_graph_breaks(model, state, graphs, state.records[records_before:])
+        return out
+
+    model._compiled_call_impl = call
+
+
 def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:
     """Compile ``model`` in place (``module.compile``: hooks, names and state-dict keys
     stay as they are; no ``_orig_mod`` wrapper)."""
-    config = state.config
-    if config.backend == "inductor":
-        model.compile(backend="inductor", fullgraph=config.fullgraph, options=inductor_options(state))
-    else:
-        model.compile(backend=aot_eager_backend(state), fullgraph=config.fullgraph)
+    model.compile(backend=overlap_backend(state), fullgraph=state.config.fullgraph)
+    _install_call_guard(model, state)
     return model

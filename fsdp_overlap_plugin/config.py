@@ -229,6 +229,23 @@ class OverlapConfig:
     a clone plus a full all-reduce, "all_to_all" sends half the bytes; results are bitwise
     equal on 2 ranks and equal up to summation order on more. Needs compile: true."""
 
+    rank_check: str = "error"
+    """Before the passes reorder anything, every rank compares a fingerprint of each compiled
+    graph (operations, shapes, dtypes, plan) with rank 0's through the process group's store:
+    "error" stops every rank on a mismatch, naming the first differing node; "warn" only
+    warns; "off" skips the check. Ranks running different graphs would otherwise issue
+    collectives that never match, and hang."""
+
+    rank_check_timeout: float = 300.0
+    """Seconds a rank waits for the others at a rank check or compile agreement before it
+    stops with an error naming the ranks that did not arrive (so the check cannot hang)."""
+
+    on_compile_error: str = "raise"
+    """What a compile failure does: "raise" stops every rank with the error (a rank that
+    compiled fine is told which rank failed, instead of waiting for it in a collective);
+    "eager" makes every rank run the same sharded model without compiling (the collectives
+    FSDP2 would run, no passes, same numerics), with a warning."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -317,6 +334,16 @@ class OverlapConfig:
                 setattr(self, name, dtype_name(value))
             elif isinstance(value, str):
                 setattr(self, name, dtype_name(parse_dtype(value, name)))
+        for name, choices in (("rank_check", _RANK_CHECK), ("on_compile_error", _ON_COMPILE_ERROR)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise OverlapConfigError(
+                    f"{name}: unknown value {value!r}; valid: {', '.join(choices)}.{suggest(str(value), choices)}"
+                )
+        timeout = self.rank_check_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise OverlapConfigError(f"rank_check_timeout: expected a positive number of seconds, got {timeout!r}.")
+        self.rank_check_timeout = float(timeout)
         if self.reduce_scatter_impl not in _REDUCE_SCATTER_IMPLS:
             raise OverlapConfigError(
                 f"reduce_scatter_impl: unknown value {self.reduce_scatter_impl!r}; valid: "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,10 +18,15 @@ from .sharding import (
     build_gather_group,
     build_mesh,
     fully_shard_plan,
+    resolve_activation_checkpointing,
     shard_parameters,
 )
 
 __all__ = ["parallelize", "unbucketed_parameters"]
+
+# Counts the models prepared in this process. Every rank prepares the same models in the
+# same order, so it tells apart the rank-agreement rounds of two models with one config.
+_INSTANCES = itertools.count()
 
 
 def unbucketed_parameters(model: nn.Module, plan: list[list[str]]) -> list[str]:
@@ -59,6 +66,7 @@ def parallelize(
         mesh = None
     config = OverlapConfig.coerce(config, **overrides)
     plan = resolve_plan(model, config)  # pure: every rank raises the same error here
+    checkpointed = resolve_activation_checkpointing(model, config.activation_checkpointing)
     if mesh is None:
         device_type = accelerators.detect_device_type()
         mesh = build_mesh(config, device_type)
@@ -74,11 +82,12 @@ def parallelize(
         world_size=dist.get_world_size(),
         mesh_shape=tuple(mesh.shape),
         mesh=mesh,
+        instance=next(_INSTANCES),
         model_fingerprint=model_fingerprint(model),
         unbucketed_params=unbucketed_parameters(model, plan),
     )
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model, config.activation_checkpointing)
+    if checkpointed:
+        apply_activation_checkpointing(model, checkpointed)
     if config.compile:
         shard_parameters(model, mesh, config)
         if _separate_gather_group(config, device_type):

@@ -208,7 +208,11 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
         raise ValueError("schedule_report: this model was not prepared by fsdp_overlap_plugin.parallelize().")
     config = state.config
     report: dict[str, Any] = {
-        "mode": "eager fully_shard" if state.fallback else ("compiled" if config.compile else "eager fully_shard"),
+        "mode": (
+            "eager after a compile failure"
+            if state.fallback
+            else ("compiled" if config.compile else "eager fully_shard")
+        ),
         "fallback_reason": state.fallback,
         "world_size": state.world_size,
         "mesh": list(state.mesh_shape),

@@ -34,6 +34,7 @@ from .plan import expand_pattern
 
 __all__ = [
     "apply_activation_checkpointing",
+    "resolve_activation_checkpointing",
     "build_gather_group",
     "build_mesh",
     "fully_shard_plan",
@@ -246,25 +247,32 @@ def _reset_all(model: nn.Module) -> None:
             reset()
 
 
-def apply_activation_checkpointing(model: nn.Module, patterns: list[str]) -> list[str]:
-    """Recompute the forward of the modules named by ``patterns`` in backward.
+def resolve_activation_checkpointing(model: nn.Module, patterns: list[str]) -> list[str]:
+    """The module FQNs that ``patterns`` name, in module order; an error names a pattern
+    that matches nothing. Pure: every rank raises the same error before any collective."""
+    from .config import suggest
+
+    names = [n for n, _ in model.named_modules() if n]
+    known = set(names)
+    chosen: list[str] = []
+    for i, pattern in enumerate(patterns):
+        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
+        if not found or found[0] not in known:
+            raise OverlapConfigError(
+                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
+            )
+        chosen.extend(f for f in found if f not in chosen)
+    return chosen
+
+
+def apply_activation_checkpointing(model: nn.Module, fqns: list[str]) -> list[str]:
+    """Recompute the forward of the modules ``fqns`` in backward.
 
     The module tree is left as it is (no wrapper module), so FQNs, plans and state-dict
     keys do not change: the module's ``forward`` is replaced on the instance by one that
     runs the original under ``torch.utils.checkpoint``.
     """
-    names = [n for n, _ in model.named_modules() if n]
-    chosen: list[str] = []
-    for i, pattern in enumerate(patterns):
-        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
-        if not found or found[0] not in set(names):
-            from .config import suggest
-
-            raise OverlapConfigError(
-                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
-            )
-        chosen.extend(f for f in found if f not in chosen)
-    for fqn in chosen:
+    for fqn in fqns:
         module = model.get_submodule(fqn)
         original = module.forward
 
@@ -272,7 +280,7 @@ def apply_activation_checkpointing(model: nn.Module, patterns: list[str]) -> lis
             return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False, **kwargs)
 
         module.forward = checkpointed
-    return chosen
+    return fqns
 
 
 def fully_shard_plan(model: nn.Module, mesh: DeviceMesh, plan: list[list[str]], config: OverlapConfig) -> nn.Module:

@@ -94,6 +94,9 @@ class FabricStrategyMixin:
         activation_checkpointing: list | None = None,
         separate_gather_group: bool | None = None,
         reduce_scatter_impl: str | None = None,
+        rank_check: str | None = None,
+        rank_check_timeout: float | None = None,
+        on_compile_error: str | None = None,
     ) -> None:
         overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
         self._user_config = build_config(config, overrides)
