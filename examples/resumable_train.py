@@ -29,7 +29,7 @@ parser.add_argument("--backend", default="aot_eager", choices=["inductor", "aot_
 args = parser.parse_args()
 
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
+fo.init_process_group()  # gloo here; a fresh store namespace per torchrun restart
 rank, world = dist.get_rank(), dist.get_world_size()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 

@@ -4,6 +4,7 @@ communication behind compute. Public API only; see docs/architecture.md."""
 from __future__ import annotations
 
 from ._version import __version__, check_torch_version
+from .accelerators import init_process_group
 from .config import MeshConfig, OverlapConfig, OverlapConfigError
 from .parallelize import parallelize
 from .plan import PlanWarning, auto_plan, resolve_plan
@@ -27,6 +28,7 @@ __all__ = [
     "auto_plan",
     "format_report",
     "gather_disabled",
+    "init_process_group",
     "materialize",
     "parallelize",
     "resolve_plan",

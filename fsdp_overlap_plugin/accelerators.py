@@ -25,6 +25,7 @@ __all__ = [
     "detect_device_type",
     "device_for_rank",
     "device_module",
+    "init_process_group",
     "local_rank",
     "npu_module",
 ]
@@ -125,3 +126,38 @@ def current(preferred: str | None = None, rank_on_node: int | None = None) -> De
     """Everything a rank needs to know: device type, backend and device."""
     device_type = detect_device_type(preferred)
     return DeviceInfo(device_type, backend_for(device_type), device_for_rank(device_type, rank_on_node))
+
+
+def init_process_group(backend: str | None = None, **kwargs) -> None:
+    """``torch.distributed.init_process_group`` for a training script: the backend this
+    machine needs (cuda -> nccl, npu -> hccl, cpu -> gloo) unless given, and under
+    ``torchrun`` a store namespace per restart.
+
+    Why the namespace: under torchrun (torch 2.13), restarted workers reuse the agent's
+    store on the same ``MASTER_PORT``, and the default process group's keys carry no
+    attempt number, so a restarted rank can read a peer's address from the failed attempt
+    and fail with ``Gloo connectFullMesh failed ... Connection refused`` (seen here in about
+    half of the restarts). Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives
+    every attempt fresh keys. Does nothing if a default group exists already.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = backend or backend_for(detect_device_type())
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and "store" not in kwargs and "init_method" not in kwargs:
+        from datetime import timedelta
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=not agent_hosts_store and rank == 0,
+            timeout=kwargs.get("timeout") or timedelta(minutes=10),
+            multi_tenant=not agent_hosts_store,
+        )
+        kwargs.update(store=dist.PrefixStore(f"fsdp_overlap/attempt_{restart}", store), rank=rank, world_size=world)
+    dist.init_process_group(backend, **kwargs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,8 +310,10 @@ def overlap_backend(state: OverlapState):
 
         state.dynamo_graphs += 1
         index = state.dynamo_graphs
+        # keys unique per model, graph and torchrun attempt (a restart may reuse the store)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         agreement = RankAgreement.default(
-            f"fsdp_overlap/{state.uuid()}/{state.instance}/graph{index}", config.rank_check_timeout
+            f"fsdp_overlap/{state.uuid()}/{attempt}/{state.instance}/graph{index}", config.rank_check_timeout
         )
         if agreement is not None and config.rank_check != "off":
             digest, entries = graph_fingerprint(gm, extra=json.dumps(state.plan))

@@ -235,17 +235,29 @@ def test_compile_failure_on_one_rank_stops_all_with_raise():
 
 
 # ------------------------------------------------------------------- crash and resume
+_LAUNCH_ENV = ("MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "TORCHELASTIC_",
+               "ACCELERATE_")  # fmt: skip
+
+
 def _torchrun(tmp: Path, name: str, *extra: str) -> list[dict]:
+    import os
+
     log = tmp / f"{name}.jsonl"
+    output = tmp / f"{name}.out"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
         "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
         str(ROOT / "examples" / "resumable_train.py"), "--dir", str(tmp / name), "--loss-log", str(log), *extra,
     ]  # fmt: skip
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    # a clean launch environment: nothing a test in this process may have left behind
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_ENV)}
+    env["OMP_NUM_THREADS"] = "1"
+    with open(output, "w") as out:
+        try:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=300, env=env)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"torchrun {name} timed out; its output ends:\n{output.read_text()[-6000:]}")
+    assert proc.returncode == 0, output.read_text()[-6000:]
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
