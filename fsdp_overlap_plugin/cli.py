@@ -1195,14 +1195,18 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
     return lines
 
 
-def cmd_explain(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
-    path = Path(args.report)
+def _load_report(text: str) -> tuple[Path, dict]:
+    path = Path(text)
     if not path.is_file():
         raise CliError(f"report {str(path)!r} does not exist.")
     try:
-        report = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except ValueError as exc:
         raise CliError(f"{path}: not valid JSON ({exc}).") from None
+
+
+def cmd_explain(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
+    path, report = _load_report(args.report)
     graphs = tuple(args.graph) if args.graph else _GRAPHS
     result = explain_report(report, graphs)
     out = {"command": "explain", "report": str(path), **result}
@@ -1259,13 +1263,7 @@ def _rate_arg(text: str) -> float:
 def cmd_timeline(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
     from .report import DEFAULT_RATES, draw_timeline, predicted
 
-    path = Path(args.report)
-    if not path.is_file():
-        raise CliError(f"report {str(path)!r} does not exist.")
-    try:
-        report = json.loads(path.read_text())
-    except ValueError as exc:
-        raise CliError(f"{path}: not valid JSON ({exc}).") from None
+    path, report = _load_report(args.report)
     rates = dict(DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"]))
     for key in ("flops", "mem", "link"):
         if getattr(args, key) is not None:

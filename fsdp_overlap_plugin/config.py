@@ -271,16 +271,7 @@ class OverlapConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> OverlapConfig:
         """Load a plugin YAML file (a mapping of the keys of this class)."""
-        import yaml
-
-        path = Path(path)
-        if not path.is_file():
-            raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_yaml(path), source=str(path))
 
     @classmethod
     def coerce(cls, config: OverlapConfig | dict | str | Path | None, **overrides: Any) -> OverlapConfig:
@@ -402,6 +393,19 @@ class OverlapConfig:
             lines.append(f"{name} (default: {defaults[name]!r})")
             lines.extend("    " + line for line in textwrap.wrap(doc, 84))
         return "\n".join(lines)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content; a missing file or invalid YAML is an ``OverlapConfigError``."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
 
 
 def config_markdown() -> str:

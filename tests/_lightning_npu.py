@@ -9,39 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 import warnings
 
 import torch
-
-
-class FakeNPU(types.ModuleType):
-    """Just enough of ``torch.npu``: availability, device count, the current device."""
-
-    def __init__(self, count: int):
-        super().__init__("torch.npu")
-        self.count = count
-        self.current = None
-
-    def is_available(self):
-        return self.count > 0
-
-    def device_count(self):
-        return self.count
-
-    def set_device(self, device):
-        self.current = device
-
-
-def install_fake_torch_npu(count: int = 4) -> FakeNPU:
-    """What importing the real torch_npu does, in miniature: the PrivateUse1 device is
-    named "npu" (irreversible: only in an isolated process) and ``torch.npu`` exists."""
-    torch.utils.rename_privateuse1_backend("npu")
-    npu = FakeNPU(count)
-    sys.modules["torch_npu"] = types.ModuleType("torch_npu")
-    torch.npu = npu
-    torch.cuda.is_available = lambda: False
-    return npu
+from _fake_npu import install_fake_torch_npu
 
 
 def npu_registration() -> dict:

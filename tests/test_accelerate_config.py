@@ -458,7 +458,7 @@ def test_cpu_only_fsdp_launch_gets_gloo_ranks(monkeypatch):
 
 
 def _npu_launch_keeps_npu() -> tuple:
-    from test_accelerators import install_fake_torch_npu
+    from _fake_npu import install_fake_torch_npu
 
     install_fake_torch_npu(count=2)
     os.environ.update(LOCAL_RANK="1", ACCELERATE_USE_FSDP="true")

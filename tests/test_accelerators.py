@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 from _dist import run_isolated
+from _fake_npu import install_fake_torch_npu
 
 from fsdp_overlap_plugin import accelerators
 
@@ -32,35 +32,6 @@ def test_requested_but_missing_device_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="'cuda' was requested but is not available"):
         accelerators.detect_device_type("cuda")
-
-
-class FakeNPU(types.ModuleType):
-    """Just enough of torch.npu for the decisions: availability, count, current device."""
-
-    def __init__(self, count: int):
-        super().__init__("torch.npu")
-        self.count = count
-        self.current = None
-
-    def is_available(self):
-        return self.count > 0
-
-    def device_count(self):
-        return self.count
-
-    def set_device(self, device):
-        self.current = device
-
-
-def install_fake_torch_npu(count: int = 4) -> FakeNPU:
-    """What importing the real torch_npu does, in miniature: name the PrivateUse1 device
-    "npu" (irreversible, hence only in an isolated process) and provide ``torch.npu``."""
-    torch.utils.rename_privateuse1_backend("npu")
-    npu = FakeNPU(count)
-    sys.modules["torch_npu"] = types.ModuleType("torch_npu")
-    torch.npu = npu
-    torch.cuda.is_available = lambda: False
-    return npu
 
 
 def _npu_decisions() -> dict:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, suggest
+from ..config import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, suggest
 
 __all__ = [
     "ENV_VAR",
@@ -278,15 +278,8 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
 
 def read_config_file(path: str | os.PathLike) -> FileSettings:
     """Read an Accelerate YAML (plugin keys under ``fsdp_config``) or a plain plugin YAML."""
-    import yaml
-
     path = Path(path)
-    if not path.is_file():
-        raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
