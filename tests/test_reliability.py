@@ -273,8 +273,10 @@ def test_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tmp_
     assert final == {r["step"]: r["loss"] for r in clean}  # bitwise, every step
 
 
-def _interrupted_save(rank: int, world: int, path: str) -> dict:
+def _interrupted_save(rank: int, world: int, workdir: str) -> dict:
     from fsdp_overlap_plugin.checkpoint import load_latest, save
+
+    path = str(Path(workdir) / "ckpt")
 
     torch._dynamo.reset()
     model = fo.parallelize(make_model(), backend="aot_eager")
@@ -300,7 +302,7 @@ def _interrupted_save(rank: int, world: int, path: str) -> dict:
 
 @pytest.mark.slow
 def test_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    result = run_ranks(_interrupted_save, str(tmp_path / "ckpt"))[0]
+    result = run_ranks(_interrupted_save, str(tmp_path))[0]
     assert result["step"] == 2 and result["same"]
     assert result["listing"] == ["latest", "step_00000002", "step_00000003"]
 
