@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from ._version import __version__
-from .config import OverlapConfig, OverlapConfigError, dtype_name, suggest
+from .config import OverlapConfig, OverlapConfigError, dtype_name, read_yaml, suggest
 from .plan import PlanWarning, auto_plan_info, gather_bytes, resolve_plan
 
 __all__ = ["main", "load_model", "load_config", "analyze", "explain_report", "LoadedConfig", "CliError"]
@@ -272,17 +272,6 @@ _LIGHTNING_PRECISION = {
 _STRATEGY_NAMES = ("fsdp_overlap", "FSDPOverlapStrategy")
 
 
-def _read_yaml(path: Path, what: str = "config file") -> Any:
-    import yaml
-
-    if not path.is_file():
-        raise OverlapConfigError(f"{what} {str(path)!r} does not exist.")
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
-
-
 def load_config(path: str | Path | None) -> LoadedConfig:
     """Read ``path`` as a plain plugin YAML, a LightningCLI YAML or an Accelerate YAML.
 
@@ -294,7 +283,7 @@ def load_config(path: str | Path | None) -> LoadedConfig:
     if path is None:
         return LoadedConfig(OverlapConfig())
     path = Path(path)
-    data = _read_yaml(path)
+    data = read_yaml(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -370,7 +359,7 @@ def _load_lightning(path: Path, data: dict) -> LoadedConfig:
                 f"{path}: {where}.init_args.config: file {str(config_path)!r} does not exist "
                 f"(looked in the working directory and next to {path.name})."
             )
-        base = _read_yaml(found) or {}
+        base = read_yaml(found) or {}
         if not isinstance(base, dict):
             raise OverlapConfigError(f"{found}: expected a mapping of config keys, got {type(base).__name__}.")
         inner = LoadedConfig(OverlapConfig(), path=str(found), shape="plugin")
