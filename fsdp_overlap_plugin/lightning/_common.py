@@ -1,6 +1,6 @@
-"""What the Lightning adapters share, with no Lightning import: the precision mapping,
-the config a strategy is built from, which module is parallelized, and the schedule
-report as metrics.
+"""What the Lightning adapters share, without a Lightning base class: the precision mapping,
+the config a strategy is built from, which module is parallelized (and parallelizing it
+once), the members both strategies have, and the schedule report as metrics.
 
 Both the Trainer strategy and the Fabric strategy exist twice (for the ``lightning``
 package and for the standalone ``pytorch_lightning`` / ``lightning_fabric`` packages,
@@ -11,23 +11,32 @@ a Lightning base class lives here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.nn as nn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from .. import accelerators
+from ..compile import get_state
 from ..config import OverlapConfig, OverlapConfigError, suggest
+from ..parallelize import parallelize
+from ..sharding import is_sharded, materialize
 
 __all__ = [
     "CONFIG_FIELDS",
     "PRECISION_DTYPES",
+    "StrategyBase",
     "build_config",
     "config_for_precision",
     "find_uninitialised",
     "log_once",
     "no_gathers",
     "on_meta",
+    "parallelize_once",
+    "parallelized_module",
     "precision_of",
     "report_metrics",
     "select_target",
@@ -150,6 +159,72 @@ def find_uninitialised(module: nn.Module) -> list[str]:
 
 def on_meta(module: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
+
+
+def parallelized_module(root: nn.Module) -> nn.Module | None:
+    """The module ``parallelize`` already ran on inside ``root`` (by a strategy on an
+    earlier ``fit``/``validate``, or by the user inside ``configure_model``), or None."""
+    for module in root.modules():
+        if get_state(module) is not None:
+            return module
+    return root if is_sharded(root) else None
+
+
+def parallelize_once(
+    root: nn.Module,
+    choose_target: Callable[[], nn.Module],
+    config: OverlapConfig,
+    mesh: Any,
+    device: torch.device,
+    meta_hint: str = "",
+) -> nn.Module:
+    """Parallelize the module ``choose_target()`` names inside ``root``, unless one
+    already was, then materialize ``root`` if it was built on the meta device (warning
+    about modules whose memory would stay uninitialised). Returns the parallelized module."""
+    done = parallelized_module(root)
+    if done is None:
+        target = choose_target()
+        if not on_meta(root):
+            root.to(device)
+        parallelize(target, config, mesh=mesh)
+        done = target
+    if on_meta(root):
+        missing = find_uninitialised(root)
+        if missing:
+            rank_zero_warn(
+                "fsdp_overlap: these modules hold meta-device parameters or buffers but define no "
+                f"reset_parameters(), so their memory stays uninitialised: {', '.join(missing)}.{meta_hint}"
+            )
+        materialize(root, device)
+    return done
+
+
+class StrategyBase:
+    """The members the Trainer and Fabric strategy mixins have in common. A subclass sets
+    ``_user_config`` / ``_config`` and ``_lightning_package``; the Lightning base class
+    provides ``root_device``, ``world_size``, ``global_rank`` and ``_process_group_backend``."""
+
+    _lightning_package: str
+    _user_config: OverlapConfig
+    _config: OverlapConfig | None
+
+    @property
+    def overlap_config(self) -> OverlapConfig:
+        """The config in force: the user's, completed from the precision once set up."""
+        return self._config or self._user_config
+
+    @property
+    def _log(self) -> logging.Logger:
+        # A child of Lightning's logger, so messages reach the console like Lightning's own.
+        return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or accelerators.backend_for(self.root_device.type)  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank (also on an HSDP mesh): each reads its own data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
 
 
 def report_metrics(report: dict[str, Any]) -> dict[str, float]:

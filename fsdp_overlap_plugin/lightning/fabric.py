@@ -21,27 +21,24 @@ from typing import Any
 
 import torch.nn as nn
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
-from .. import accelerators
 from ..config import OverlapConfig, OverlapConfigError
-from ..parallelize import parallelize
 from ..report import format_report, schedule_report
-from ..sharding import build_mesh, materialize
+from ..sharding import build_mesh
 from ._common import (
     CONFIG_FIELDS,
+    StrategyBase,
     build_config,
     config_for_precision,
-    find_uninitialised,
     log_once,
     no_gathers,
-    on_meta,
+    parallelize_once,
     precision_of,
     report_metrics,
 )
-from .trainer import _parallelized_module, _warn_if_npu_unused, align_autocast_device
+from .trainer import _warn_if_npu_unused, align_autocast_device
 
 __all__ = ["FSDPOverlapFabricStrategy", "FabricStrategyMixin"]
 
@@ -63,7 +60,7 @@ class _AlwaysSync:
         return nullcontext()
 
 
-class FabricStrategyMixin:
+class FabricStrategyMixin(StrategyBase):
     """The Fabric strategy's behaviour, on top of Fabric's ``ModelParallelStrategy``.
 
     Takes the same arguments as the Trainer strategy (``FSDPOverlapStrategy``) except
@@ -114,15 +111,6 @@ class FabricStrategyMixin:
         )
         self._backward_sync_control = _AlwaysSync(self._log)
 
-    @property
-    def overlap_config(self) -> OverlapConfig:
-        """The config in force: the user's, completed from the precision once set up."""
-        return self._config or self._user_config
-
-    @property
-    def _log(self) -> logging.Logger:
-        return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
-
     def _configure_launcher(self) -> None:
         # Called last while Fabric(...) is built, with the precision plugin attached: a
         # precision conflict fails there, before any process is launched.
@@ -138,31 +126,10 @@ class FabricStrategyMixin:
         self._device_mesh = build_mesh(self._config, self.root_device.type)
         _warn_if_npu_unused(self.root_device)
 
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or accelerators.backend_for(self.root_device.type)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
     # ------------------------------------------------------------------ module
     def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:
         """Fabric's ``parallelize_fn``: called by ``setup_module`` with our mesh."""
-        done = _parallelized_module(module)
-        if done is None:
-            if not on_meta(module):
-                module.to(self.root_device)
-            parallelize(module, self.overlap_config, mesh=mesh)
-            done = module
-        self._parallelized = done
-        if on_meta(module):
-            missing = find_uninitialised(module)
-            if missing:
-                rank_zero_warn(
-                    "fsdp_overlap: these modules hold meta-device parameters or buffers but define no "
-                    f"reset_parameters(), so their memory stays uninitialised: {', '.join(missing)}."
-                )
-            materialize(module, self.root_device)
+        self._parallelized = parallelize_once(module, lambda: module, self.overlap_config, mesh, self.root_device)
         return module
 
     def setup_module_and_optimizers(

@@ -22,7 +22,6 @@ the standalone ``pytorch_lightning`` package (``standalone.py``).
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 from typing import Any
 
@@ -35,17 +34,16 @@ from torch.distributed.constants import default_pg_timeout
 from .. import accelerators
 from ..compile import get_state
 from ..config import OverlapConfig
-from ..parallelize import parallelize
 from ..report import format_report, schedule_report
-from ..sharding import build_mesh, is_sharded, materialize
+from ..sharding import build_mesh
 from ._common import (
     CONFIG_FIELDS,
+    StrategyBase,
     build_config,
     config_for_precision,
-    find_uninitialised,
     log_once,
     no_gathers,
-    on_meta,
+    parallelize_once,
     precision_of,
     report_metrics,
     select_target,
@@ -54,7 +52,7 @@ from ._common import (
 __all__ = ["FSDPOverlapStrategy", "TrainerStrategyMixin"]
 
 
-class TrainerStrategyMixin:
+class TrainerStrategyMixin(StrategyBase):
     """The Trainer strategy's behaviour, on top of Lightning's ``ModelParallelStrategy``.
 
     Args:
@@ -129,17 +127,6 @@ class TrainerStrategyMixin:
             timeout=timeout,
         )
 
-    # ------------------------------------------------------------------ config
-    @property
-    def overlap_config(self) -> OverlapConfig:
-        """The config in force: the user's, completed from the precision once set up."""
-        return self._config or self._user_config
-
-    @property
-    def _log(self) -> logging.Logger:
-        # A child of Lightning's logger, so messages reach the console like Lightning's own.
-        return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
-
     # ------------------------------------------------------------- environment
     def _configure_launcher(self) -> None:
         # The last hook Lightning calls while building the Trainer, after the precision
@@ -158,43 +145,30 @@ class TrainerStrategyMixin:
         self.lightning_module._device_mesh = self._device_mesh
         _warn_if_npu_unused(self.root_device)
 
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or accelerators.backend_for(self.root_device.type)
-
     def _align_precision_device(self) -> None:
         """Lightning builds its autocast plugin for "cuda" unless the accelerator is cpu
         or mps; on an NPU, autocast must target "npu"."""
         align_autocast_device(self.precision_plugin, self.root_device)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank (also on an HSDP mesh): each reads its own data.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     # -------------------------------------------------------------------- setup
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         root = self.lightning_module
-        done = _parallelized_module(root)
-        if done is None:
+
+        def choose_target() -> nn.Module:
             # "-true" precisions: cast before sharding, so the shards are in that dtype.
             self.model = self.precision_plugin.convert_module(self.model)
-            _, target = select_target(root, self._module_spec)
-            if not on_meta(root):
-                root.to(self.root_device)
-            parallelize(target, self.overlap_config, mesh=self.device_mesh)
-            done = target
-        self._parallelized = done
-        if on_meta(root):
-            missing = find_uninitialised(root)
-            if missing:
-                rank_zero_warn(
-                    "fsdp_overlap: these modules hold meta-device parameters or buffers but define no "
-                    f"reset_parameters(), so their memory stays uninitialised: {', '.join(missing)}. "
-                    "Load a checkpoint (ckpt_path=...) or initialise them in reset_parameters()."
-                )
-            materialize(root, self.root_device)
+            return select_target(root, self._module_spec)[1]
+
+        self._parallelized = parallelize_once(
+            root,
+            choose_target,
+            self.overlap_config,
+            self.device_mesh,
+            self.root_device,
+            meta_hint=" Load a checkpoint (ckpt_path=...) or initialise them in reset_parameters().",
+        )
         self.barrier()
         if _fn(trainer) == "fit":
             self.setup_optimizers(trainer)
@@ -249,15 +223,6 @@ class TrainerStrategyMixin:
 def _fn(trainer: Any) -> str | None:
     fn = trainer.state.fn
     return None if fn is None else str(getattr(fn, "value", fn))
-
-
-def _parallelized_module(root: nn.Module) -> nn.Module | None:
-    """The module ``parallelize`` already ran on (by us on an earlier ``fit``/``validate``,
-    or by the user inside ``configure_model``), or None."""
-    for module in root.modules():
-        if get_state(module) is not None:
-            return module
-    return root if is_sharded(root) else None
 
 
 def align_autocast_device(plugin: Any, device: torch.device) -> None:
