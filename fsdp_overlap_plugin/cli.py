@@ -284,10 +284,6 @@ def load_config(path: str | Path | None) -> LoadedConfig:
         return LoadedConfig(OverlapConfig())
     path = Path(path)
     data = read_yaml(path)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise OverlapConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}.")
     if "trainer" in data or ("strategy" in data and isinstance(data.get("strategy"), (dict, str))):
         return _load_lightning(path, data)
     if {"fsdp_config", "distributed_type", "compute_environment"} & set(data):
@@ -359,9 +355,7 @@ def _load_lightning(path: Path, data: dict) -> LoadedConfig:
                 f"{path}: {where}.init_args.config: file {str(config_path)!r} does not exist "
                 f"(looked in the working directory and next to {path.name})."
             )
-        base = read_yaml(found) or {}
-        if not isinstance(base, dict):
-            raise OverlapConfigError(f"{found}: expected a mapping of config keys, got {type(base).__name__}.")
+        base = read_yaml(found)
         inner = LoadedConfig(OverlapConfig(), path=str(found), shape="plugin")
         _build(inner, base)  # errors name the included file's own keys
         loaded.notes.append(f"plugin keys from {found}, overridden by {where}.init_args")

@@ -395,17 +395,23 @@ class OverlapConfig:
         return "\n".join(lines)
 
 
-def read_yaml(path: str | Path) -> Any:
-    """A YAML file's content; a missing file or invalid YAML is an ``OverlapConfigError``."""
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's mapping (an empty file is ``{}``); a missing file, invalid
+    YAML or anything but a mapping at the top is an ``OverlapConfigError``."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
     try:
-        return yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise OverlapConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}.")
+    return data
 
 
 def config_markdown() -> str:

@@ -280,10 +280,6 @@ def read_config_file(path: str | os.PathLike) -> FileSettings:
     """Read an Accelerate YAML (plugin keys under ``fsdp_config``) or a plain plugin YAML."""
     path = Path(path)
     data = read_yaml(path)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise OverlapConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}.")
     if {"distributed_type", "fsdp_config", "compute_environment"} & set(data):
         return split_accelerate_yaml(data, str(path))
     return FileSettings(dict(data), {}, str(path), accelerate_format=False)
