@@ -367,18 +367,16 @@ def accelerate_settings(accelerator: Any = None, file: FileSettings | None = Non
             s.dynamo_backend = str(getattr(backend, "value", backend))
             s.where["dynamo_backend"] = "dynamo_config.dynamo_backend of the Accelerator"
     else:
-        if "ACCELERATE_MIXED_PRECISION" in env:
-            s.mixed_precision = env["ACCELERATE_MIXED_PRECISION"]
-            s.where["mixed_precision"] = "mixed_precision, as accelerate launch passed it"
-        elif "mixed_precision" in yaml_values:
-            s.mixed_precision = str(yaml_values["mixed_precision"])
-            s.where["mixed_precision"] = f"mixed_precision in {yaml_where}"
-        if "ACCELERATE_DYNAMO_BACKEND" in env:
-            s.dynamo_backend = env["ACCELERATE_DYNAMO_BACKEND"]
-            s.where["dynamo_backend"] = "dynamo_backend, as accelerate launch passed it"
-        elif "dynamo_backend" in yaml_values:
-            s.dynamo_backend = str(yaml_values["dynamo_backend"])
-            s.where["dynamo_backend"] = f"dynamo_config.dynamo_backend in {yaml_where}"
+        for attr, env_key, yaml_label in (
+            ("mixed_precision", "ACCELERATE_MIXED_PRECISION", "mixed_precision"),
+            ("dynamo_backend", "ACCELERATE_DYNAMO_BACKEND", "dynamo_config.dynamo_backend"),
+        ):
+            if env_key in env:
+                setattr(s, attr, env[env_key])
+                s.where[attr] = f"{attr}, as accelerate launch passed it"
+            elif attr in yaml_values:
+                setattr(s, attr, str(yaml_values[attr]))
+                s.where[attr] = f"{yaml_label} in {yaml_where}"
     if s.mixed_precision is not None:
         s.mixed_precision = s.mixed_precision.strip().lower()
     return s
