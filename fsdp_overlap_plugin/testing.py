@@ -109,6 +109,8 @@ def fsdp_forward_graph(
                 g.call(aten.mm.default, h, g.call(aten.t.default, weight, module=module), module=module),
                 module=module,
             )
+            for _ in range(pointwise):
+                h = g.call(aten.mul.Tensor, h, x, module=module)
     return g.finish([h])
 
 

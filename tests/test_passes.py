@@ -338,6 +338,14 @@ def test_simulated_rank_outputs_identical(builder, passes):
     assert sorted(compute_nodes(before)) == sorted(compute_nodes(after))
 
 
+@pytest.mark.parametrize("builder", [fsdp_forward_graph, fsdp_backward_graph])
+def test_pointwise_adds_one_op_per_weight_each(builder):
+    plain, dense = builder(blocks=3, params_per_block=2), builder(blocks=3, params_per_block=2, pointwise=2)
+    extra = [n for n in dense.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert len(dense.graph.nodes) - len(plain.graph.nodes) == len(extra) == 3 * 2 * 2
+    assert_same_outputs(dense, manual_bucketing(copy.deepcopy(dense), [["blocks.0"], ["blocks.1"], ["blocks.2"]]))
+
+
 def test_grad_overlap_keeps_compute_order():
     before = fsdp_backward_graph()
     after = copy.deepcopy(before)
