@@ -69,22 +69,33 @@ def core_reference(rank: int, world: int, steps: int, backend: str) -> list[floa
     """examples/accelerate_train.py's training, through the core ``parallelize()`` and plain
     torch calls (no Accelerate): same seed, model, data split, optimizer and clipping."""
     import torch
-    import torch.distributed as dist
 
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+    from fsdp_overlap_plugin.models import fixed_batches, gpt_small
 
     torch.manual_seed(0)
     model = fo.parallelize(gpt_small(**MODEL), fo.OverlapConfig(backend=backend))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     two = fixed_batches(2, BATCH_PER_RANK * world, SEQ, model.cfg.vocab_size)
+    return core_losses(model, [two[step % 2] for step in range(steps)], rank, world, BATCH_PER_RANK, LR, MAX_GRAD_NORM)
+
+
+def core_losses(
+    model, batches: list, rank: int, world: int, batch_per_rank: int, lr: float, max_grad_norm: float
+) -> list[float]:
+    """What Accelerate does for a training step, in plain torch: AdamW on this rank's
+    slice of each global batch, gradients clipped; the mean loss over ranks per step."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_overlap_plugin.models import loss_fn
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
     losses = []
-    for step in range(steps):
-        x, y = two[step % 2]
-        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    for x, y in batches:
         loss = loss_fn(model(x[mine]), y[mine])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = loss.detach().clone()

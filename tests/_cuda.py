@@ -14,7 +14,6 @@ import importlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -32,20 +31,14 @@ requires_cuda = [
 ]
 
 
-@contextlib.contextmanager
-def nccl_world_of_one() -> Iterator[None]:
+def nccl_world_of_one() -> contextlib.AbstractContextManager[None]:
     """A default process group of one NCCL rank on cuda:0 (a FileStore: no network)."""
     import torch.distributed as dist
+    from _fake import process_group
 
     torch.cuda.set_device(0)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fsdp_overlap_store_"), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    torch._dynamo.reset()
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
+    return process_group("nccl", store)
 
 
 def gpu_check() -> ModuleType:

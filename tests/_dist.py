@@ -159,15 +159,13 @@ def run_ranks(
     shows the crash: an assertion, an exception or a hang is never rerun. Arguments
     that name a directory are working directories: a rerun gets fresh, empty ones.
     """
-    for attempt in range(crash_reruns + 1):
+    for _ in range(crash_reruns):
         try:
             return _attempt(fn, args, world, timeout, env)
         except NativeCrash as crash:
-            if attempt == crash_reruns:
-                raise
             warnings.warn(f"rerunning {fn.__name__} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=2)
             args = tuple(_fresh_if_directory(a) for a in args)
-    raise AssertionError("unreachable")
+    return _attempt(fn, args, world, timeout, env)
 
 
 def _fresh_if_directory(arg: Any) -> Any:

@@ -16,14 +16,20 @@ import fsdp_overlap_plugin.compile as fo_compile
 
 
 @contextlib.contextmanager
-def fake_world(world: int = 2) -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+def process_group(backend: str, store: dist.Store, world: int = 1) -> Iterator[None]:
+    """A default process group (this process is rank 0) and a clean Dynamo cache, both
+    torn down on exit."""
+    dist.init_process_group(backend, store=store, rank=0, world_size=world)
     torch._dynamo.reset()
     try:
         yield
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
+
+
+def fake_world(world: int = 2) -> contextlib.AbstractContextManager[None]:
+    return process_group("fake", FakeStore(), world)
 
 
 class GraphCapture:

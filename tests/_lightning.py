@@ -19,6 +19,7 @@ import math
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from _train import full_params
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -126,15 +127,6 @@ def trainer(root: str, standalone: bool = False, **kwargs) -> Trainer:
 
         return pytorch_lightning.Trainer(**defaults)
     return Trainer(**defaults)
-
-
-def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        out[name] = value.detach().float().cpu().clone()
-    return out
 
 
 def rank_batches(data: TensorDataset, rank: int, world: int, epochs: int = 1, batch: int = PER_RANK) -> list:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _accelerate import core_losses
 from _dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,27 +136,13 @@ def _train_and_resume(rank: int, world: int, yaml_path: str, ckpt: str, fsdp: bo
 def _core_reference(rank: int, world: int) -> list[float]:
     """The same training through the core parallelize() and plain torch calls."""
     import torch
-    import torch.distributed as dist
 
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.models import loss_fn
 
     torch._dynamo.reset()
     model = fo.parallelize(_model(seed=0), fo.OverlapConfig(backend="aot_eager"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     batches, _ = _data(world)
-    losses = []
-    for x, y in batches:
-        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        loss = loss_fn(model(x[mine]), y[mine])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append((value / world).item())
-    return losses
+    return core_losses(model, batches, rank, world, BATCH_PER_RANK, LR, max_grad_norm=0.5)
 
 
 def _job(rank: int, world: int, yaml_path: str, tmp: str) -> dict:

@@ -152,35 +152,21 @@ def _precision(rank: int, world: int, root: str) -> dict:
     data = dataset(8)
     batches = rank_batches(data, rank, world, 1)
     out = {}
-    torch._dynamo.reset()
-    lit = LitGPT(seed=0, **GPT)
-    tr = trainer(root, max_epochs=1, strategy=_strategy(), precision="bf16-mixed")
-    tr.fit(lit, loader(data))
-    core = core_run(_core_model(0), batches, autocast=torch.bfloat16, param_dtype="bf16", reduce_dtype="fp32", **FAST)
-    out["mixed"] = {
-        "losses": lit.losses,
-        "core": core["losses"],
-        "config": (tr.strategy.overlap_config.param_dtype, tr.strategy.overlap_config.reduce_dtype),
-        "dtypes": {p.dtype for p in lit.parameters()},
-    }
-    torch._dynamo.reset()
-    lit = LitGPT(seed=0, **GPT)
-    tr = trainer(root, max_epochs=1, strategy=_strategy(), precision="bf16-true")
-    tr.fit(lit, loader(data))
-    core = core_run(
-        _core_model(0).to(torch.bfloat16),
-        batches,
-        default_dtype=torch.bfloat16,
-        param_dtype="bf16",
-        reduce_dtype="bf16",
-        **FAST,
-    )
-    out["true"] = {
-        "losses": lit.losses,
-        "core": core["losses"],
-        "config": (tr.strategy.overlap_config.param_dtype, tr.strategy.overlap_config.reduce_dtype),
-        "dtypes": {p.dtype for p in lit.parameters()},
-    }
+    for key, precision, core_dtype, core_kwargs in (
+        ("mixed", "bf16-mixed", torch.float32, {"autocast": torch.bfloat16, "reduce_dtype": "fp32"}),
+        ("true", "bf16-true", torch.bfloat16, {"default_dtype": torch.bfloat16, "reduce_dtype": "bf16"}),
+    ):
+        torch._dynamo.reset()
+        lit = LitGPT(seed=0, **GPT)
+        tr = trainer(root, max_epochs=1, strategy=_strategy(), precision=precision)
+        tr.fit(lit, loader(data))
+        core = core_run(_core_model(0).to(core_dtype), batches, param_dtype="bf16", **core_kwargs, **FAST)
+        out[key] = {
+            "losses": lit.losses,
+            "core": core["losses"],
+            "config": (tr.strategy.overlap_config.param_dtype, tr.strategy.overlap_config.reduce_dtype),
+            "dtypes": {p.dtype for p in lit.parameters()},
+        }
     # fp32, with validation during fit and trainer.validate() afterwards (setup runs
     # again on the already parallelized model; no_grad forward = an inference graph).
     torch._dynamo.reset()
