@@ -30,7 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from .config import OverlapConfig, OverlapConfigError
+from .passes.graph import PARAM_KEY
 from .plan import expand_pattern
+
+try:  # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]
+    from torch.fx.traceback import annotate as _annotate
+except ImportError:  # pragma: no cover - older torch: module paths are the only attribution
+    _annotate = None
 
 __all__ = [
     "apply_activation_checkpointing",
@@ -107,9 +113,18 @@ class _Gather:
         self.compute = tuple(Replicate() for _ in range(mesh.ndim))
         self.grad = tuple(Partial("avg") for _ in range(mesh.ndim))
 
-    def __call__(self, param: torch.Tensor) -> torch.Tensor:
+    def __call__(self, param: torch.Tensor, fqn: str | None = None) -> torch.Tensor:
         if not _GATHER_ENABLED or not isinstance(param, DTensor):
             return param
+        if fqn is not None and _annotate is not None and torch.compiler.is_compiling():
+            # every node this gather traces (the cast, the all-gather and its wait, and
+            # through autograd the gradient's reduce-scatter) carries the parameter's FQN,
+            # so the passes attribute it exactly, whatever Dynamo calls the module
+            with _annotate({PARAM_KEY: fqn}):
+                return self._gather(param)
+        return self._gather(param)
+
+    def _gather(self, param: DTensor) -> torch.Tensor:
         full = param.redistribute(
             placements=self.compute,
             forward_dtype=self.param_dtype,
@@ -124,7 +139,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
     def getter(name: str):
         def get(self: nn.Module) -> torch.Tensor:
-            return self._fsdp_overlap_gather(self._parameters[name])
+            return self._fsdp_overlap_gather(self._parameters[name], self._fsdp_overlap_fqns[name])
 
         return property(get)
 
@@ -159,7 +174,7 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) 
         raise RuntimeError("this model is already sharded by fsdp-overlap; call parallelize() once.")
     gather = _Gather(mesh, config.torch_param_dtype, config.torch_reduce_dtype)
     replaced: dict[int, nn.Parameter] = {}
-    for module in list(model.modules()):
+    for prefix, module in list(model.named_modules()):
         names = tuple(name for name, p in module._parameters.items() if p is not None)
         if not names:
             continue
@@ -178,6 +193,9 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) 
             module._parameters[name] = new
         module.__class__ = _sharded_class(type(module), names)
         module._fsdp_overlap_gather = gather
+        # FQNs relative to the sharded root: the names plans use. A tied parameter has one
+        # per module that holds it; each read is attributed to the module that read it.
+        module._fsdp_overlap_fqns = {name: f"{prefix}.{name}" if prefix else name for name in names}
     return model
 
 

@@ -35,13 +35,17 @@ import torch.fx as fx
 
 from ..plan import check_disjoint
 from .graph import (
+    dynamo_module_path,
+    is_all_gather,
     is_fsdp_all_gather,
     is_fsdp_reduce_scatter,
     is_preparation_op,
     is_reduce_scatter,
     is_view,
     is_wait,
-    module_path,
+    merge_duplicate_waits,
+    owner_module,
+    param_fqn,
     wait_of,
 )
 from .merge import Retired, bucket_key, graph_fake_mode, merge_all_gathers, merge_reduce_scatters
@@ -113,6 +117,7 @@ def manual_bucketing(
         "unbucketed_all_gathers": 0,
         "unbucketed_reduce_scatters": 0,
     }
+    stats["duplicate_waits_merged"] = merge_duplicate_waits(graph)
     gather_groups: dict[tuple, list[fx.Node]] = {}
     scatter_groups: dict[tuple, list[fx.Node]] = {}
     unbucketed: Counter[str] = Counter()
@@ -124,7 +129,7 @@ def manual_bucketing(
         else:
             continue
         stats[f"{kind}_before"] += 1
-        path = module_path(node)
+        path = owner_module(node)
         bucket = index.bucket_of(path)
         if bucket is None:
             stats[f"unbucketed_{kind}"] += 1
@@ -163,8 +168,48 @@ def manual_bucketing(
     stats["all_gathers_after"] = stats["all_gathers_before"] - sum(len(v) - 1 for v in gather_groups.values())
     stats["reduce_scatters_after"] = stats["reduce_scatters_before"] - sum(len(v) - 1 for v in scatter_groups.values())
     stats["unbucketed_modules"] = sorted(unbucketed)
+    stats["left_unbucketed"] = left_unbucketed(graph, index)
     gm.meta.setdefault("fsdp_overlap", {})["manual_bucketing"] = stats
     return gm
+
+
+def left_unbucketed(graph: fx.Graph, index: BucketIndex) -> list[dict]:
+    """FSDP collectives the bucketing left as they were, grouped by plan entry and kind.
+
+    Each group: ``entry`` (the plan index the collective's parameter belongs to, or None
+    when no entry covers it), ``kind``, ``count``, and one example's ``param`` FQN and
+    ``dynamo_path`` (the module source Dynamo recorded). A group with an entry means a
+    plan entry's collective was not bucketed: the caller treats it as an error
+    (``on_unbucketed``); one without an entry is a parameter outside the plan.
+    """
+    groups: dict[tuple, dict] = {}
+    for node in graph.nodes:
+        if "fsdp_overlap_bucket" in node.meta:
+            continue
+        if is_all_gather(node):
+            kind, fsdp = "all_gather", is_fsdp_all_gather(node)
+        elif is_reduce_scatter(node):
+            kind, fsdp = "reduce_scatter", is_fsdp_reduce_scatter(node)
+        else:
+            continue
+        if not fsdp:
+            continue  # not a parameter's collective (tensor parallelism): not ours to bucket
+        owner = owner_module(node)
+        entry = index.bucket_of(owner)
+        group = groups.setdefault(
+            (entry, kind, owner if entry is None else None),
+            {
+                "entry": entry,
+                "modules": index.buckets[entry] if entry is not None else None,
+                "kind": kind,
+                "count": 0,
+                "owner": owner,
+                "param": param_fqn(node),
+                "dynamo_path": dynamo_module_path(node),
+            },
+        )
+        group["count"] += 1
+    return list(groups.values())
 
 
 def _merge(graph, groups, merge_fn, fake_mode, retired, stats, counter) -> list[_Unit]:

@@ -39,6 +39,7 @@ from .graph import (
     is_fsdp_reduce_scatter,
     is_preparation_op,
     is_view,
+    merge_duplicate_waits,
     wait_of,
 )
 from .order import relink
@@ -183,13 +184,14 @@ def overlap_grad_reduce(gm: fx.GraphModule, *, recompile: bool = True) -> fx.Gra
     """Advance gradient reduce-scatter launches and sink their waits (see module doc).
     ``recompile=False`` leaves regenerating ``gm.forward`` to the caller."""
     graph = gm.graph
+    merged_waits = merge_duplicate_waits(graph)
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     matches = _collect(nodes, index)
     barriers = {n for n in nodes if n.op == "call_function" and is_barrier(n)}
     order, advanced = _advance_launches(nodes, matches, barriers)
     order, sunk = _sink_waits(order, matches, barriers)
-    if advanced or sunk:
+    if advanced or sunk or merged_waits:
         relink(graph, order)
         if recompile:
             gm.recompile()

@@ -36,8 +36,13 @@ __all__ = [
     "is_reduce_scatter",
     "is_view",
     "is_wait",
+    "merge_duplicate_waits",
     "module_path",
+    "dynamo_module_path",
     "node_args",
+    "owner_module",
+    "param_fqn",
+    "PARAM_KEY",
     "wait_of",
 ]
 
@@ -135,6 +140,28 @@ def wait_of(collective: fx.Node) -> fx.Node | None:
     return waits[0] if len(waits) == 1 else None
 
 
+def merge_duplicate_waits(graph: fx.Graph) -> int:
+    """Give every collective a single wait: a collective waited on twice (AOT autograd's
+    CSE merges identical reduce-scatters, e.g. of two biases whose gradients are the same
+    tensor, but not their waits) keeps its first wait, and users of the others read it.
+    Waiting is idempotent, and the first wait precedes every later one's users, so nothing
+    computed changes. Returns how many waits were removed."""
+    removed = 0
+    for node in list(graph.nodes):
+        if not is_collective(node):
+            continue
+        waits = [u for u in node.users if is_wait(u) and not is_control_deps(u)]
+        if len(waits) < 2:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first, *rest = sorted(waits, key=order.__getitem__)
+        for wait in rest:
+            wait.replace_all_uses_with(first)
+            graph.erase_node(wait)
+            removed += 1
+    return removed
+
+
 def group_name(node: fx.Node) -> Any:
     """The process-group name of a collective (its last positional argument)."""
     args = node_args(node)
@@ -225,34 +252,80 @@ def _overload_is_barrier(target: torch._ops.OpOverload) -> bool:
     return bool(is_impure(target, args=(), kwargs={}, impure_random=False))
 
 
-_ROOT = re.compile(r"""^L\[(?:'[^']*'|"[^"]*")\]""")
+#: ``node.meta["custom"][PARAM_KEY]``: the FQN (relative to the sharded root) of the
+#: parameter whose gather produced the node. ``sharding`` sets it at trace time with
+#: ``torch.fx.traceback.annotate``; AOT autograd copies it to the backward nodes (by
+#: sequence number) and the partitioner keeps it, so forward all-gathers, backward
+#: re-gathers and gradient reduce-scatters all carry it.
+PARAM_KEY = "fsdp_overlap_param"
+
+# A Dynamo source's root: the frame's local (``L['self']``, ``L['args'][0]``, ``L['fn']``)
+# with any subscripts directly on it; or a global (``G['model']``).
+_ROOT = re.compile(r"""^[LG]\[(?:'[^']*'|"[^"]*")\](?:\[(?:'[^']*'|"[^"]*"|\d+)\])*""")
 _ITEM = re.compile(r"""\[(?:'([^']*)'|"([^"]*)"|(\d+))\]""")
+_CLEAN = re.compile(r"^[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*$|^$")
 
 
-def clean_module_path(stack_key: str) -> str:
-    """``L['self'].blocks.0.ln`` / ``L['self']._modules['blocks']['0']`` -> ``blocks.0.ln``.
+def clean_module_path(stack_key: str) -> str | None:
+    """``L['self'].blocks.0.ln`` / ``L['args'][0]._modules['blocks']['0']`` -> ``blocks.0.ln``.
 
-    Works whatever the compiled root's first argument is called (``self``, ``s``, ...).
+    Works whatever the compiled root is called (``self``, ``args[0]`` when a decorator
+    takes the module through ``*args``, ``fn``, ...). Returns None for a source that is
+    not a chain of attributes from the root (``dict(type(L['self'].emb).__dict__)['w']
+    .fget.__closure__[0].cell_contents``: a helper module reached through a parameter
+    property, as torchtitan's SimpleFSDP does).
     """
-    path = _ROOT.sub("", stack_key)
-    path = path.replace("._modules", "")
-    path = _ITEM.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), path)
-    return path.strip(".")
+    match = _ROOT.match(stack_key)
+    if match is None:
+        return None
+    path = stack_key[match.end() :].replace("._modules", "")
+    path = _ITEM.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), path).strip(".")
+    return path if _CLEAN.match(path) else None
+
+
+def _stack(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return []
+    return [value[0] if isinstance(value, tuple) else str(value) for value in stack.values()]
+
+
+def dynamo_module_path(node: fx.Node) -> str | None:
+    """The innermost module source exactly as Dynamo recorded it (for messages)."""
+    stack = _stack(node)
+    return stack[-1] if stack else None
 
 
 def module_path(node: fx.Node) -> str | None:
     """The innermost module path a node was traced in, relative to the compiled root.
 
     Forward (and recomputed) nodes carry ``nn_module_stack``; backward nodes carry
-    ``fwd_nn_module_stack``. Bucketed nodes keep the first source's stack. Returns
-    None when the node has no module information at all.
+    ``fwd_nn_module_stack``. Entries whose source is not a plain attribute chain from
+    the root (a module reached through a closure) are skipped in favour of the nearest
+    enclosing one. Bucketed nodes keep the first source's stack. None when the node has
+    no module information at all.
     """
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    if not stack:
-        return None
-    last = list(stack.values())[-1]
-    key = last[0] if isinstance(last, tuple) else str(last)
-    return clean_module_path(key)
+    for key in reversed(_stack(node)):
+        path = clean_module_path(key)
+        if path is not None:
+            return path
+    return None
+
+
+def param_fqn(node: fx.Node) -> str | None:
+    """The FQN of the parameter whose gather made ``node`` (see ``PARAM_KEY``), or None."""
+    custom = node.meta.get("custom")
+    return custom.get(PARAM_KEY) if isinstance(custom, dict) else None
+
+
+def owner_module(node: fx.Node) -> str | None:
+    """The module that owns a collective, for plan lookups: the module holding the
+    parameter when the node carries its FQN (exact, whatever Dynamo calls the root or
+    the frame), else the module path Dynamo recorded (graphs traced by other code)."""
+    fqn = param_fqn(node)
+    if fqn is not None:
+        return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+    return module_path(node)
 
 
 def _built_from_inputs(node: fx.Node, limit: int = 4096) -> bool:
@@ -272,11 +345,14 @@ def _built_from_inputs(node: fx.Node, limit: int = 4096) -> bool:
 
 
 def is_fsdp_all_gather(node: fx.Node) -> bool:
-    """An all-gather of parameter shards: its input is built from graph inputs by
-    layout-only operations (a shard, its dtype cast or padding, or a bucket of shards).
-    A tensor-parallel all-gather of computed activations does not qualify."""
+    """An all-gather of parameter shards: one our sharding traced (it carries the
+    parameter's FQN), or one whose input is built from graph inputs by layout-only
+    operations (a shard, its dtype cast or padding, or a bucket of shards). A
+    tensor-parallel all-gather of computed activations does not qualify."""
     if not is_all_gather(node):
         return False
+    if param_fqn(node) is not None:
+        return True
     source = node_args(node)[0]
     return isinstance(source, fx.Node) and _built_from_inputs(source)
 
@@ -295,22 +371,54 @@ def data_users(node: fx.Node) -> list[fx.Node]:
 
 
 def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
-    """A gradient reduce-scatter: its reduced result is returned by the graph through
-    single-input operations (wait, views, casts, and on HSDP the replica all-reduce and
-    its wait). Other consumers may branch off on the way; a tensor-parallel
-    reduce-scatter, whose result only feeds further compute, does not qualify."""
+    """A gradient reduce-scatter: one our sharding traced (it carries the parameter's
+    FQN), or one whose reduced result is returned by the graph through single-input
+    operations (wait, views, casts, and on HSDP the replica all-reduce and its wait), or
+    through the sum of such results (a parameter used twice, such as tied embeddings, gets
+    one reduced gradient per use, added up). Other consumers may branch off on the way; a
+    tensor-parallel reduce-scatter, whose result only feeds further compute, does not
+    qualify."""
     if not is_reduce_scatter(node):
         return False
+    if param_fqn(node) is not None:
+        return True
     seen = {node}
     stack = [node]
     while stack:
         for user in data_users(stack.pop()):
             if user.op == "output":
                 return True
-            if user not in seen and len(data_inputs(user)) == 1:
+            if user in seen:
+                continue
+            inputs = data_inputs(user)
+            if len(inputs) == 1 or (_is_add(user) and all(_reduced(i) for i in inputs)):
                 seen.add(user)
                 stack.append(user)
     return False
+
+
+def _is_add(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.aten.add.Tensor
+
+
+def _reduced(node: fx.Node, limit: int = 64) -> bool:
+    """``node`` is a reduce-scatter's result, through single-input operations and sums of
+    such results (the gradient of a parameter with several uses)."""
+    stack, seen = [node], set()
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if len(seen) > limit:
+            return False
+        if is_reduce_scatter(cur):
+            continue
+        inputs = data_inputs(cur)
+        if not inputs or not (len(inputs) == 1 or _is_add(cur)):
+            return False
+        stack.extend(inputs)
+    return True
 
 
 def graph_kind(graph: fx.Graph) -> str:

@@ -15,7 +15,10 @@ chain is tagged.
 Policy: with ``reshard_after_forward`` every bucket reshards, except the bucket that
 the forward gathers last (unless ``reshard_last_bucket``): backward starts with exactly
 those parameters, and re-gathering them at the graph boundary cannot be hidden behind
-anything. FSDP2 keeps its root unsharded for the same reason.
+anything. FSDP2 keeps its root unsharded for the same reason. When graph breaks split the
+forward, each graph is annotated on its own and cannot know whether it is the last one:
+``keepable`` then names the one bucket that may stay gathered (the plan's last bucket),
+so every other graph reshards all its buckets.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph import is_fsdp_all_gather, is_view, module_path, wait_of
+from .graph import is_fsdp_all_gather, is_view, owner_module, wait_of
 from .plan_index import BucketIndex
 
 __all__ = ["annotate_reshard"]
@@ -65,17 +68,20 @@ def annotate_reshard(
     *,
     reshard_after_forward: bool = True,
     reshard_last_bucket: bool = False,
+    keepable: int | None = None,
 ) -> dict:
     """Tag each FSDP all-gather chain of the joint graph to be recomputed or saved.
 
+    ``keepable``: if given, the last-gathered bucket stays gathered only if it is this
+    plan index (see the module doc); None keeps whichever bucket is gathered last.
     Returns statistics: how many all-gathers reshard, how many stay gathered, and which
     bucket was kept (its plan index, or the module path of an unbucketed gather).
     """
     index = BucketIndex(buckets)
     gathers = [n for n in gm.graph.nodes if is_fsdp_all_gather(n)]
-    keys = [index.key(module_path(n)) for n in gathers]
+    keys = [index.key(owner_module(n)) for n in gathers]
     kept_key = None
-    if reshard_after_forward and not reshard_last_bucket and gathers:
+    if reshard_after_forward and not reshard_last_bucket and gathers and keepable in (None, keys[-1]):
         kept_key = keys[-1]
     resharded = kept = 0
     for node, key in zip(gathers, keys):
