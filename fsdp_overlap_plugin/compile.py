@@ -52,6 +52,8 @@ __all__ = [
     "GraphBreakError",
     "PeerCompileError",
     "OverlapState",
+    "UnbucketedError",
+    "UnbucketedWarning",
     "compile_model",
     "get_state",
     "run_passes",
@@ -76,12 +78,18 @@ class OverlapState:
     gather_group: Any = None
     model_fingerprint: str = ""
     records: list[dict] = field(default_factory=list)
-    reshard: dict = field(default_factory=dict)
+    reshard: list[dict] = field(default_factory=list)  # per joint graph: what annotate_reshard did
+    last_bucket: int | None = None  # the plan's last entry that owns parameters
     unbucketed_params: list[str] = field(default_factory=list)
     fallback: str | None = None
     instance: int = 0  # the n-th model prepared in this process: the same on every rank
     dynamo_graphs: int = 0  # graphs Dynamo handed to our backend so far
     called: bool = False  # the compiled forward has run once
+    graph_id: str | None = None  # the Dynamo graph being compiled now (its fingerprint)
+    rank: int = 0
+    adjustments: list[str] = field(default_factory=list)  # what parallelize changed on the model, and why
+    warned: set[str] = field(default_factory=set)  # modules already named in an unbucketed warning
+    param_entries: dict[str, int | None] = field(default_factory=dict)  # parameter FQN -> its plan entry
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph."""
@@ -141,18 +149,31 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 # --------------------------------------------------------------------------- passes
-def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState) -> dict:
-    """Run the configured passes on one compiled graph and record what they did."""
-    from .report import graph_events, save_record, summarize_pass
+def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference: bool = False) -> dict:
+    """Run the configured passes on one compiled graph and record what they did.
+
+    ``kind`` is "forward" or "backward"; an inference graph (no backward, e.g. under
+    ``no_grad``) is a forward with ``inference=True``.
+    """
+    from .records import save_record
+    from .report import graph_events, summarize_pass
 
     config = state.config
-    record: dict[str, Any] = {"graph": kind, "before": collective_counts(gm.graph), "passes": {}}
+    record: dict[str, Any] = {
+        "graph": kind,
+        "graph_id": state.graph_id,
+        "inference": inference,
+        "before": collective_counts(gm.graph),
+        "passes": {},
+    }
     events_before = graph_events(gm.graph, state.plan)
     if state.gather_group is not None:
         record["passes"]["gather_group"] = {"moved": passes.use_gather_group(gm, state.gather_group)}
     if config.manual_bucketing:
         passes.manual_bucketing(gm, state.plan, recompile=False)
-        record["passes"]["manual_bucketing"] = gm.meta.get("fsdp_overlap", {}).get("manual_bucketing", {})
+        stats = gm.meta.get("fsdp_overlap", {}).get("manual_bucketing", {})
+        record["left_unbucketed"] = stats.pop("left_unbucketed", [])
+        record["passes"]["manual_bucketing"] = stats
     if config.overlap_grad_reduce and kind == "backward":
         passes.overlap_grad_reduce(gm, recompile=False)
         record["passes"]["overlap_grad_reduce"] = gm.meta.get("fsdp_overlap", {}).get("overlap_grad_reduce", {})
@@ -167,10 +188,10 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState) -> dict:
     gm.graph.lint()  # once, after every pass, instead of inside each
     record["schedule"] = {"before": events_before, "after": graph_events(gm.graph, state.plan)}
     state.records.append(record)
-    save_record(state.uuid(), record)
+    save_record(state.uuid(), record, rank=state.rank)
     log.info(
         "fsdp-overlap %s graph: all-gathers %d -> %d, reduce-scatters %d -> %d, %s",
-        kind,
+        "inference" if inference else kind,
         record["before"]["all_gather"],
         record["after"]["all_gather"],
         record["before"]["reduce_scatter"],
@@ -187,11 +208,15 @@ def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
         state.plan,
         reshard_after_forward=config.reshard_after_forward,
         reshard_last_bucket=config.reshard_last_bucket,
+        # one graph (fullgraph): its last bucket is the forward's last; with graph breaks
+        # only the plan's last bucket may stay gathered (a graph cannot know it is the last)
+        keepable=None if config.fullgraph else state.last_bucket,
     )
-    state.reshard = stats
-    from .report import save_record
+    from .records import save_record
 
-    save_record(state.uuid(), {"graph": "joint", **stats})  # for the report after a cache hit
+    record = {"graph": "joint", "graph_id": state.graph_id, **stats}
+    state.reshard.append(record)
+    save_record(state.uuid(), record, rank=state.rank)  # for the report after a cache hit
 
 
 class OverlapGraphPass(CustomInferenceAwareGraphPass):
@@ -202,9 +227,8 @@ class OverlapGraphPass(CustomInferenceAwareGraphPass):
 
     def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
         gm = graph.owning_module
-        kind = "inference" if is_inference else graph_kind(graph)
-        run_passes(gm, "forward" if kind == "inference" else kind, self.state)
-        self.state.records[-1]["inference"] = is_inference
+        kind = "forward" if is_inference else graph_kind(graph)
+        run_passes(gm, kind, self.state, inference=is_inference)
 
     def uuid(self) -> str:
         return "fsdp-overlap-post-grad-" + self.state.uuid()
@@ -248,10 +272,10 @@ def aot_eager_backend(state: OverlapState):
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    def compiler(kind: str):
+    def compiler(kind: str, inference: bool = False):
         def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Any:
             if state.passes_on:
-                run_passes(gm, kind, state)
+                run_passes(gm, kind, state, inference=inference)
             return make_boxed_func(gm.forward)
 
         return compile_graph
@@ -263,10 +287,14 @@ def aot_eager_backend(state: OverlapState):
     return aot_autograd(
         fw_compiler=compiler("forward"),
         bw_compiler=compiler("backward"),
-        inference_compiler=compiler("forward"),
+        inference_compiler=compiler("forward", inference=True),
         partition_fn=partition,
         keep_inference_input_mutations=True,
     )
+
+
+# A compile failure is quoted in the fallback warning up to this many characters.
+_WARNING_CHARS = 500
 
 
 class CompileFallback(RuntimeError):
@@ -279,6 +307,11 @@ class GraphBreakError(RuntimeError):
 
 class PeerCompileError(RuntimeError):
     """Compilation failed on another rank, so this one stops too (``on_compile_error: raise``)."""
+
+
+class UnbucketedError(RuntimeError):
+    """A compiled graph holds collectives of a plan entry that the bucketing missed
+    (``on_unbucketed: error``); raised on every rank at the first step."""
 
 
 def _inner_backend(state: OverlapState):
@@ -315,8 +348,8 @@ def overlap_backend(state: OverlapState):
         agreement = RankAgreement.default(
             f"fsdp_overlap/{state.uuid()}/{attempt}/{state.instance}/graph{index}", config.rank_check_timeout
         )
+        digest, entries = graph_fingerprint(gm, extra=json.dumps(state.plan))
         if agreement is not None and config.rank_check != "off":
-            digest, entries = graph_fingerprint(gm, extra=json.dumps(state.plan))
             difference = agreement.same_graph("fingerprint", digest, entries)
             if difference is not None:
                 message = (
@@ -327,28 +360,136 @@ def overlap_backend(state: OverlapState):
                 if config.rank_check == "error":
                     raise RankMismatchError(message)
                 warnings.warn(message, stacklevel=2)
+        # the records of this graph are kept under its fingerprint, so a later process whose
+        # FX graph cache hits (and whose passes therefore do not run) finds them
+        # (grad mode too: the same Dynamo graph compiles to a training or an inference graph)
+        state.graph_id = digest[:16] + ("" if torch.is_grad_enabled() else "-no-grad")
+        graph_id = state.graph_id
+        records_before = len(state.records)
         error: BaseException | None = None
         try:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 compiled = inner(gm, example_inputs)
         except Exception as exc:  # every rank must hear of it before anyone runs the graph
             error = exc
+        finally:
+            state.graph_id = None
         if agreement is not None:
             failures = agreement.all_succeeded("compile", None if error is None else f"{type(error).__name__}: {error}")
         else:
             failures = [f"rank 0: {type(error).__name__}: {error}"] if error is not None else []
         if failures:
             if config.on_compile_error == "eager":
-                raise CompileFallback(failures[0][:2000])
+                raise CompileFallback(failures[0][:_MESSAGE_CHARS])
             if error is not None:
                 raise error
             raise PeerCompileError(
-                f"fsdp-overlap: compilation failed on another rank ({failures[0][:2000]}); this rank stops too "
-                "instead of waiting for it in a collective. on_compile_error: eager runs every rank uncompiled."
+                f"fsdp-overlap: compilation failed on another rank ({failures[0][:_MESSAGE_CHARS]}); this rank "
+                "stops too instead of waiting for it in a collective. on_compile_error: eager runs every rank "
+                "uncompiled."
             )
+        records = state.records[records_before:]
+        if not records and state.passes_on:
+            records = _records_from_cache(state, graph_id)
+        _check_unbucketed(state, records, index)
         return compiled
 
     return backend
+
+
+# A peer's error is quoted up to this many characters (whole tracebacks would bury the message).
+_MESSAGE_CHARS = 2000
+
+
+def _records_from_cache(state: OverlapState, graph_id: str) -> list[dict]:
+    """The records the passes left for this graph when it was compiled before: on an FX
+    graph cache hit inductor loads compiled code without running them."""
+    from .records import load_graph_records
+
+    records = [dict(r, from_cache=True) for r in load_graph_records(state.uuid(), graph_id, rank=state.rank)]
+    joints = {r.get("graph_id") for r in state.reshard}
+    for record in records:
+        if record["graph"] != "joint":
+            state.records.append(record)
+        elif graph_id not in joints:  # the joint pass ran (AOT autograd's cache missed): already there
+            state.reshard.append(record)
+    return [r for r in records if r["graph"] != "joint"]
+
+
+def _check_unbucketed(state: OverlapState, records: list[dict], index: int) -> None:
+    """Stop (``on_unbucketed: error``) or warn when a graph holds FSDP collectives that
+    the bucketing left alone although they belong to a plan entry, or that could not be
+    attributed to any parameter; warn for parameters no plan entry covers.
+
+    Whether a collective belongs to an entry is decided here from the model itself (the
+    parameter FQN the collective carries, looked up in ``state.param_entries``), not from
+    the pass's own lookup, so a pass that misattributes is caught, not trusted. Graphs
+    without parameter annotations (a torch that does not record them) fall back to the
+    pass's module-path attribution.
+    """
+    by_entry: dict[tuple, dict] = {}  # (entry, graph, kind) -> one group: the pass may split them by module
+    uncovered = []
+    for record in records:
+        for group in record.get("left_unbucketed") or []:
+            param = group.get("param")
+            entry = state.param_entries.get(param) if param is not None else group["entry"]
+            if entry is not None or (param is None and group["owner"] is None):  # None: unattributable
+                key = (entry, record["graph"], group["kind"])
+                if key in by_entry:
+                    by_entry[key]["count"] += group["count"]
+                else:
+                    modules = state.plan[entry] if entry is not None else None
+                    by_entry[key] = dict(group, entry=entry, modules=modules, graph=record["graph"])
+            else:
+                uncovered.append(group)
+    missed = sorted(
+        by_entry.values(), key=lambda g: (g["entry"] is None, g["entry"] or 0, g["graph"] != "forward", g["kind"])
+    )
+    # each uncovered module is named once per model, in the first graph that holds it
+    uncovered = [g for g in uncovered if g["owner"] not in state.warned]
+    if uncovered:
+        owners = sorted({g["owner"] or "<root>" for g in uncovered})
+        state.warned.update(g["owner"] for g in uncovered)
+        count = sum(g["count"] for g in uncovered)
+        warnings.warn(
+            f"fsdp-overlap: graph {index} holds {count} collectives of parameters that no bucket_plans entry "
+            f"covers (modules {', '.join(owners[:_LISTED])}{', ...' if len(owners) > _LISTED else ''}); they run "
+            "one by one, unprefetched. Add the modules to a plan entry to bucket them.",
+            UnbucketedWarning,
+            stacklevel=3,
+        )
+    if not missed:
+        return
+    lines = []
+    for g in missed[:_LISTED]:
+        if g["entry"] is not None:
+            what = f"bucket_plans entry {g['entry']} {g['modules']}"
+        else:
+            what = "no parameter (the collective could not be attributed to one)"
+        lines.append(
+            f"{what}: {g['count']} {g['kind'].replace('_', '-')}(s) left unbucketed in the {g['graph']} graph; one "
+            f"{'reads ' + repr(g['param']) if g['param'] else 'carries no parameter annotation'}, traced in the "
+            f"module Dynamo calls {g['dynamo_path']!r}"
+        )
+    if len(missed) > _LISTED:
+        lines.append(f"... and {len(missed) - _LISTED} more")
+    message = (
+        f"fsdp-overlap: the bucketing pass missed collectives in graph {index}:\n  "
+        + "\n  ".join(lines)
+        + "\nThe model trains correctly, but these collectives are neither merged nor prefetched: the "
+        "overlap the plan asks for is lost. This is a bug in fsdp-overlap; please report it with this message. "
+        "on_unbucketed: warn trains anyway."
+    )
+    if state.config.on_unbucketed == "error":
+        raise UnbucketedError(message)
+    warnings.warn(message, UnbucketedWarning, stacklevel=3)
+
+
+_LISTED = 8  # modules named in a warning before "..."
+
+
+class UnbucketedWarning(UserWarning):
+    """Collectives that run unbucketed (outside the plan, or missed with ``on_unbucketed: warn``)."""
 
 
 def _find(exc: BaseException, kind: type) -> BaseException | None:
@@ -393,10 +534,10 @@ def _warn_graph_breaks(model: nn.Module, state: OverlapState, graphs: int, recor
     bucketed = sum(r["after"]["all_gather"] for r in forward)
     total = sum(1 for m in model.modules() for p in m._parameters.values() if p is not None)
     counted = (
-        f"{gathered} of the model's {total} parameter reads were traced into them ({bucketed} all-gathers "
-        f"after bucketing; modules compiled in a graph of their own are seen relative to it, so plan "
-        f"entries may not match them); the other {max(total - gathered, 0)} gather eagerly between the "
-        "graphs, not overlapped"
+        f"{gathered} of the model's {total} parameter reads were traced into them and bucketed per graph "
+        f"({bucketed} all-gathers after the passes; schedule_report lists every graph); the other "
+        f"{max(total - gathered, 0)} gather eagerly between the graphs, not overlapped. A bucket cannot "
+        "prefetch across a break"
         if forward
         else "the passes are off, so no all-gather was bucketed"
     )
@@ -424,7 +565,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
                 state.fallback = str(fallback)
                 model._compiled_call_impl = None  # from now on nn.Module runs the eager forward
                 warnings.warn(
-                    f"fsdp-overlap: compilation failed ({state.fallback[:500]}); on_compile_error: eager, so "
+                    f"fsdp-overlap: compilation failed ({state.fallback[:_WARNING_CHARS]}); on_compile_error: eager, so "
                     "every rank now runs the sharded model uncompiled: same numerics, collectives gathered "
                     "per parameter as FSDP2 does, no passes.",
                     stacklevel=2,
@@ -432,7 +573,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
                 return model._call_impl(*args, **kwargs)
             from .ranks import RankMismatchError, RankTimeoutError
 
-            ours = _find(exc, (RankMismatchError, RankTimeoutError, PeerCompileError))
+            ours = _find(exc, (RankMismatchError, RankTimeoutError, PeerCompileError, UnbucketedError))
             if ours is not None:
                 raise ours from None  # our message, not Dynamo's wrapper around it
             unsupported = _find(exc, torch._dynamo.exc.Unsupported)

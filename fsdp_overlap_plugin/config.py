@@ -38,6 +38,7 @@ _BACKENDS = ("inductor", "aot_eager")
 _REDUCE_SCATTER_IMPLS = ("native", "all_to_all")
 _RANK_CHECK = ("error", "warn", "off")
 _ON_COMPILE_ERROR = ("raise", "eager")
+_ON_UNBUCKETED = ("error", "warn")
 
 
 def suggest(word: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
@@ -246,6 +247,13 @@ class OverlapConfig:
     "eager" makes every rank run the same sharded model without compiling (the collectives
     FSDP2 would run, no passes, same numerics), with a warning."""
 
+    on_unbucketed: str = "error"
+    """What a compiled graph whose bucketing missed a plan entry's collectives does: "error"
+    stops every rank at the first step, naming the entry, how many collectives were left and
+    the module path Dynamo reported for one; "warn" warns and trains without those buckets.
+    Collectives of parameters that no plan entry covers only warn either way. Checked on FX
+    graph cache hits too, from the record the passes left."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -325,7 +333,11 @@ class OverlapConfig:
                 setattr(self, name, dtype_name(value))
             elif isinstance(value, str):
                 setattr(self, name, dtype_name(parse_dtype(value, name)))
-        for name, choices in (("rank_check", _RANK_CHECK), ("on_compile_error", _ON_COMPILE_ERROR)):
+        for name, choices in (
+            ("rank_check", _RANK_CHECK),
+            ("on_compile_error", _ON_COMPILE_ERROR),
+            ("on_unbucketed", _ON_UNBUCKETED),
+        ):
             value = getattr(self, name)
             if value not in choices:
                 raise OverlapConfigError(

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import accelerators
+from . import accelerators, hf
 from .compile import _STATE_ATTR, OverlapState, compile_model, model_fingerprint
 from .config import OverlapConfig, OverlapConfigError
 from .passes.plan_index import BucketIndex
@@ -27,6 +27,18 @@ __all__ = ["parallelize", "unbucketed_parameters"]
 # Counts the models prepared in this process. Every rank prepares the same models in the
 # same order, so it tells apart the rank-agreement rounds of two models with one config.
 _INSTANCES = itertools.count()
+
+
+def parameter_entries(model: nn.Module, plan: list[list[str]]) -> dict[str, int | None]:
+    """Every parameter FQN (a tied parameter under each of its names) -> the plan entry
+    that owns the module holding it, or None."""
+    index = BucketIndex(plan)
+    return {
+        f"{name}.{p}" if name else p: index.bucket_of(name)
+        for name, module in model.named_modules(remove_duplicate=False)
+        for p, v in module._parameters.items()
+        if v is not None
+    }
 
 
 def unbucketed_parameters(model: nn.Module, plan: list[list[str]]) -> list[str]:
@@ -80,15 +92,19 @@ def parallelize(
         plan=plan,
         device_type=device_type,
         world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
         mesh_shape=tuple(mesh.shape),
         mesh=mesh,
         instance=next(_INSTANCES),
         model_fingerprint=model_fingerprint(model),
         unbucketed_params=unbucketed_parameters(model, plan),
+        last_bucket=_last_bucket_with_parameters(model, plan),
+        param_entries=parameter_entries(model, plan),
     )
     if checkpointed:
         apply_activation_checkpointing(model, checkpointed)
     if config.compile:
+        state.adjustments.extend(hf.prepare_for_compile(model))
         shard_parameters(model, mesh, config)
         if _separate_gather_group(config, device_type):
             state.gather_group = build_gather_group(mesh)
@@ -106,6 +122,13 @@ def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
     if config.separate_gather_group is not None:
         return config.separate_gather_group
     return accelerators.backend_for(device_type) in ("nccl", "hccl")
+
+
+def _last_bucket_with_parameters(model: nn.Module, plan: list[list[str]]) -> int | None:
+    for i in reversed(range(len(plan))):
+        if any(True for fqn in plan[i] for _ in model.get_submodule(fqn).parameters()):
+            return i
+    return None
 
 
 def _on_meta(model: nn.Module) -> bool:

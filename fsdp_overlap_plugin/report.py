@@ -1,19 +1,14 @@
 """The schedule report: what the passes did to each compiled graph.
 
-``schedule_report(model)`` returns a JSON-serialisable dict; ``format_report`` turns it
-into the summary the examples print. Records are also written next to inductor's FX
-graph cache, keyed by the pass uuid, because on a cache hit inductor loads compiled
-code without running the passes: the report then shows the stored record and says
-that it came from the cache.
+``schedule_report(model)`` returns a JSON-serialisable dict of every compiled graph and
+the totals per kind; ``format_report`` turns it into the summary the examples print. A
+graph loaded from the FX graph cache (its passes did not run in this process) shows the
+record stored when it was compiled (``records.py``), marked as from the cache.
 """
 
 from __future__ import annotations
 
-import json
 import operator
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
@@ -22,11 +17,10 @@ __all__ = [
     "draw_timeline",
     "format_report",
     "graph_events",
-    "load_record",
     "predicted",
-    "save_record",
     "schedule_report",
     "simulate",
+    "total_of",
 ]
 
 _KINDS = ("forward", "backward")
@@ -169,44 +163,24 @@ def graph_events(graph: Any, plan: list[list[str]]) -> list[dict]:
     return events
 
 
-def _store_dir(uuid: str) -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "fsdp_overlap" / uuid
-
-
-def save_record(uuid: str, record: dict) -> None:
-    """Keep a graph's record where a later cache hit can find it (atomic write)."""
-    if record.get("inference"):
-        return
-    try:
-        directory = _store_dir(uuid)
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, default=str)
-        os.replace(tmp, directory / f"{record['graph']}.json")
-    except OSError:
-        pass  # a read-only cache dir only costs the report on a later cache hit
-
-
-def load_record(uuid: str, kind: str) -> dict | None:
-    path = _store_dir(uuid) / f"{kind}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def schedule_report(model: nn.Module) -> dict[str, Any]:
-    """Per compiled graph (``"forward"``, ``"backward"``): collective counts before and
-    after the passes, and what each pass returned. Call it after the first step."""
+    """What the passes did, per compiled graph, and in total. Call it after the first step.
+
+    ``report["graphs"]``: one record per compiled graph (training forward and backward
+    graphs, and inference graphs compiled under ``no_grad``), each with its collective
+    counts before and after the passes, what each pass returned, the schedule, ``label``
+    ("forward 2 of 3") and ``from_cache`` when an FX graph cache hit loaded it.
+    ``report["forward"]`` / ``report["backward"]``: the training graph of that kind when
+    there is one, or the totals over all of them (``graphs: n``) when graph breaks made
+    several; None before the first step.
+    """
     from .compile import get_state
 
     state = get_state(model)
     if state is None:
         raise ValueError("schedule_report: this model was not prepared by fsdp_overlap_plugin.parallelize().")
     config = state.config
+    graphs = _labelled(state.records)
     report: dict[str, Any] = {
         "mode": (
             "eager after a compile failure"
@@ -223,24 +197,81 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             "overlap_grad_reduce": config.overlap_grad_reduce and config.compile,
         },
         "plan": state.plan,
-        "reshard": state.reshard,
+        "reshard": reshard_total(state.reshard),
         "unbucketed_params": state.unbucketed_params,
+        "adjustments": list(state.adjustments),
         "config": config.to_dict(),
-        "graphs": list(state.records),
+        "graphs": graphs,
     }
     for kind in _KINDS:
-        record = next((r for r in reversed(state.records) if r["graph"] == kind and not r.get("inference")), None)
-        if record is None and config.compile and not state.fallback:
-            record = load_record(state.uuid(), kind)
-            if record is not None:
-                record = dict(record, from_cache=True)
-        report[kind] = record
-    if not report["reshard"] and config.compile and not state.fallback:
-        stored = load_record(state.uuid(), "joint")
-        if stored is not None:
-            report["reshard"] = {k: v for k, v in stored.items() if k != "graph"} | {"from_cache": True}
+        training = [r for r in graphs if r["graph"] == kind and not r.get("inference")]
+        report[kind] = training[0] if len(training) == 1 else (total_of(training) if training else None)
     report["predicted"] = predicted(report)
     return report
+
+
+def reshard_total(graphs: list[dict]) -> dict:
+    """The reshard-after-forward statistics of every joint graph, added up ({} if none)."""
+    if not graphs:
+        return {}
+    kept = [g["kept_bucket"] for g in graphs if g.get("kept_bucket")]
+    return {
+        "all_gathers": sum(g.get("all_gathers", 0) for g in graphs),
+        "resharded": sum(g.get("resharded", 0) for g in graphs),
+        "kept_gathered": sum(g.get("kept_gathered", 0) for g in graphs),
+        "kept_bucket": "; ".join(dict.fromkeys(kept)) or None,
+        "graphs": len(graphs),
+        "from_cache": all(g.get("from_cache") for g in graphs),
+    }
+
+
+def _labelled(records: list[dict]) -> list[dict]:
+    """Copies of the records with ``label``: "forward", or "forward 2 of 3" when several."""
+
+    def name(r: dict) -> str:
+        return "inference" if r.get("inference") else r["graph"]
+
+    totals: dict[str, int] = {}
+    for record in records:
+        totals[name(record)] = totals.get(name(record), 0) + 1
+    seen: dict[str, int] = {}
+    out = []
+    for record in records:
+        key = name(record)
+        seen[key] = seen.get(key, 0) + 1
+        label = key if totals[key] == 1 else f"{key} {seen[key]} of {totals[key]}"
+        out.append(dict(record, label=label))
+    return out
+
+
+def _add(a: Any, b: Any) -> Any:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a or b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a + b
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+    return a
+
+
+def total_of(records: list[dict]) -> dict:
+    """One record summing several graphs of one kind: collective counts and every numeric
+    pass statistic added up, lists joined. It has no schedule (those are per graph)."""
+    total: dict[str, Any] = {
+        "graph": records[0]["graph"],
+        "graphs": len(records),
+        "label": f"{records[0]['graph']} total",
+    }
+    for key in ("before", "after", "passes"):
+        value: Any = {}
+        for record in records:
+            value = _add(value, record.get(key, {}))
+        total[key] = value
+    total["left_unbucketed"] = [g for r in records for g in r.get("left_unbucketed") or []]
+    total["from_cache"] = all(r.get("from_cache") for r in records)
+    return total
 
 
 # The few numbers of each pass a summary line shows (the report keeps them all).
@@ -290,20 +321,33 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("fallback_reason"):
         lines.append(f"  fell back to eager: {report['fallback_reason']}")
     lines.append(f"  plan: {len(report['plan'])} buckets: " + " ".join(str(b) for b in report["plan"]))
-    header = f"  {'graph':<9} {'all-gathers':>12} {'reduce-scatters':>16} {'all-reduces':>12} {'waits':>10}  passes"
-    lines.append(header)
-    for kind in _KINDS:
-        record = report.get(kind)
-        if record is None:
-            lines.append(f"  {kind:<9} (not compiled yet)")
-            continue
+    width = max([9] + [len(r.get("label", "")) for r in report.get("graphs") or []]) + 1
+    lines.append(
+        f"  {'graph':<{width}} {'all-gathers':>12} {'reduce-scatters':>16} {'all-reduces':>12} {'waits':>10}  passes"
+    )
+
+    def row(label: str, record: dict) -> str:
         notes = [summarize_pass(name, stats) for name, stats in record.get("passes", {}).items()]
         if record.get("from_cache"):
             notes.append("[from FX graph cache]")
-        lines.append(
-            f"  {kind:<9} {_arrow(record, 'all_gather'):>12} {_arrow(record, 'reduce_scatter'):>16} "
+        return (
+            f"  {label:<{width}} {_arrow(record, 'all_gather'):>12} {_arrow(record, 'reduce_scatter'):>16} "
             f"{_arrow(record, 'all_reduce'):>12} {_arrow(record, 'wait'):>10}  {'; '.join(notes)}"
         )
+
+    graphs = report.get("graphs") or []
+    for kind in _KINDS:
+        record = report.get(kind)
+        if record is None:
+            lines.append(f"  {kind:<{width}} (not compiled yet)")
+            continue
+        several = [g for g in graphs if g["graph"] == kind and not g.get("inference")]
+        if len(several) > 1:
+            lines.extend(row(g["label"], g) for g in several)
+            lines.append(row(f"{kind} total", record))
+        else:
+            lines.append(row(kind, record))
+    lines.extend(row(g["label"], g) for g in graphs if g.get("inference"))
     for kind, phases in (report.get("predicted") or {}).items():
         b, a = phases["before"], phases["after"]
         lines.append(
@@ -319,6 +363,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
     if report.get("unbucketed_params"):
         lines.append(f"  parameters in no bucket (gathered one by one): {', '.join(report['unbucketed_params'])}")
+    for note in report.get("adjustments") or []:
+        lines.append(f"  adjusted: {note}")
     return "\n".join(lines)
 
 
@@ -375,17 +421,23 @@ def simulate(events: list[dict], *, world: int, flops: float, mem: float, link: 
 
 
 def predicted(report: dict, rates: dict | None = None) -> dict:
-    """Predicted total and exposed-communication seconds per graph, before/after passes."""
+    """Predicted total and exposed-communication seconds per kind of graph, before/after
+    the passes: the sum over that kind's training graphs (one, without graph breaks)."""
     rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
-    out = {}
+    keys = ("total_s", "exposed_comm_s", "comm_s", "compute_s")
+    out: dict = {}
     for kind in _KINDS:
-        record = report.get(kind)
-        if not record or "schedule" not in record:
+        records = [
+            r for r in report.get("graphs") or [] if r["graph"] == kind and not r.get("inference") and "schedule" in r
+        ]
+        if not records and (report.get(kind) or {}).get("schedule"):
+            records = [report[kind]]  # a report written before per-graph records
+        if not records:
             continue
         out[kind] = {}
         for phase in ("before", "after"):
-            sim = simulate(record["schedule"][phase], world=report["world_size"], **rates)
-            out[kind][phase] = {k: round(sim[k], 6) for k in ("total_s", "exposed_comm_s", "comm_s", "compute_s")}
+            sims = [simulate(r["schedule"][phase], world=report["world_size"], **rates) for r in records]
+            out[kind][phase] = {k: round(sum(sim[k] for sim in sims), 6) for k in keys}
     return out
 
 

@@ -39,9 +39,9 @@ class GraphCapture:
         self.graphs: list[tuple[str, torch.fx.GraphModule, torch.fx.GraphModule]] = []
         original = fo_compile.run_passes
 
-        def capturing(gm, kind, state):
+        def capturing(gm, kind, state, **kwargs):
             before = copy.deepcopy(gm)
-            record = original(gm, kind, state)
+            record = original(gm, kind, state, **kwargs)
             self.graphs.append((kind, before, copy.deepcopy(gm)))
             return record
 

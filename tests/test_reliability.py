@@ -177,9 +177,24 @@ def test_graph_break_without_fullgraph_warns_with_counts():
         x, y = fixed_batches(1, 2, 16, 256)[0]
         with pytest.warns(UserWarning, match=r"split the forward into \d+ compiled graphs") as caught:
             loss_fn(model(x), y).backward()
+        report = fo.schedule_report(model)
     text = next(str(w.message) for w in caught if "graph breaks" in str(w.message))
     match = re.search(r"(\d+) of the model's 53 parameter reads were traced into them", text)
-    assert match and 0 < int(match.group(1)) < 53 and "not overlapped" in text
+    assert match and int(match.group(1)) == 53 and "bucketed per graph" in text
+    # every compiled graph is reported, and the blocks are bucketed in whichever graph
+    # holds them (each block's frame is compiled on its own after the break)
+    forward = [g for g in report["graphs"] if g["graph"] == "forward"]
+    assert len(forward) > 1 and report["forward"]["graphs"] == len(forward)
+    assert [g["label"] for g in forward] == [f"forward {i} of {len(forward)}" for i in range(1, len(forward) + 1)]
+    assert report["forward"]["before"]["all_gather"] == 53
+    assert report["forward"]["passes"]["manual_bucketing"]["buckets"] == 4  # one per block
+    assert "forward total" in fo.format_report(report)
+    # the modules outside the plan are named once each, not once per graph
+    uncovered = [str(w.message) for w in caught if "no bucket_plans entry covers" in str(w.message)]
+    named = [
+        m for w in uncovered for m in ("tok_emb", "pos_emb", "norm", "head") if f"modules {m}" in w or f", {m}" in w
+    ]
+    assert sorted(named) == ["head", "norm", "pos_emb", "tok_emb"]
 
 
 # ------------------------------------------------------------------ compile failures

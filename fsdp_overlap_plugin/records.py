@@ -1,0 +1,61 @@
+"""Per-graph records that survive FX graph cache hits.
+
+On an FX graph cache hit inductor loads compiled code without running our passes, so
+nothing would say what they did to the graph, nor check it. Each record the passes make
+is therefore also written next to inductor's cache, under
+
+    <cache_dir>/fsdp_overlap/<pass uuid>/rank<r>/<graph id>/<forward|backward|inference|joint>.json
+
+The pass uuid identifies the config, plan, model structure and pass source (the same
+uuid is part of the FX graph cache key); the graph id is the fingerprint of the graph
+Dynamo traced, so every graph of a model with graph breaks has its own records; the rank
+is there because a rank's local shard shapes, and so its schedule, may differ from
+another rank's. When the compile wiring sees a graph compiled with no record made, it
+loads them from here and marks them ``from_cache``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["load_graph_records", "save_record", "store_dir"]
+
+_NAMES = ("joint", "forward", "backward", "inference")
+
+
+def store_dir(uuid: str, graph_id: str | None, rank: int = 0) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "fsdp_overlap" / uuid / f"rank{rank}" / (graph_id or "unknown")
+
+
+def _name(record: dict) -> str:
+    return "inference" if record.get("inference") else record["graph"]
+
+
+def save_record(uuid: str, record: dict, *, rank: int = 0) -> None:
+    """Keep a graph's record where a later cache hit can find it (atomic write)."""
+    try:
+        directory = store_dir(uuid, record.get("graph_id"), rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, default=str)
+        os.replace(tmp, directory / f"{_name(record)}.json")
+    except OSError:
+        pass  # a read-only cache dir only costs the report and the check on a later cache hit
+
+
+def load_graph_records(uuid: str, graph_id: str, *, rank: int = 0) -> list[dict]:
+    """Every record stored for one graph (joint first, then forward, backward, inference)."""
+    directory = store_dir(uuid, graph_id, rank)
+    out = []
+    for name in _NAMES:
+        try:
+            out.append(json.loads((directory / f"{name}.json").read_text()))
+        except (OSError, ValueError):
+            continue
+    return out

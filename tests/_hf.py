@@ -1,0 +1,78 @@
+"""Tiny Hugging Face ``transformers`` models built from a config (no hub access), for
+tests that must run against code nobody here wrote.
+
+Every family has an odd vocabulary (97: shards of 49 and 48 rows on 2 ranks), dropout
+off (transformers models from a config are in train mode; GPT-2's default dropout is
+0.1), and a width small enough that a 2-rank step takes seconds on one core. The blocks
+differ in structure on purpose:
+
+* ``llama``   tied embeddings, grouped-query attention, RMSNorm (forward decorated with
+              ``*args`` wrappers: Dynamo calls the model ``L['args'][0]``)
+* ``qwen2``   attention biases, untied head
+* ``gpt2``    ``Conv1D`` layers, learned positions, tied head, no ``loss_type``
+* ``mixtral`` a sparse mixture-of-experts block (router + experts)
+* ``neox``    parallel attention and MLP (two biases with the same gradient, whose
+              reduce-scatters AOT autograd merges)
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 97
+SEQ = 16
+FAMILIES = ("llama", "qwen2", "gpt2", "mixtral", "neox")
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+
+
+def config(family: str):
+    import transformers as T
+
+    if family == "llama":
+        return T.LlamaConfig(**_COMMON, num_key_value_heads=2, tie_word_embeddings=True)
+    if family == "qwen2":
+        return T.Qwen2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False)
+    if family == "gpt2":
+        return T.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    if family == "mixtral":
+        return T.MixtralConfig(**_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    if family == "neox":
+        return T.GPTNeoXConfig(**_COMMON, hidden_dropout=0, attention_dropout=0, tie_word_embeddings=False)
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+
+
+def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The family's causal LM, seeded, in ``dtype``."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    return T.AutoModelForCausalLM.from_config(config(family)).to(dtype)
+
+
+def batches(steps: int, batch: int, seq: int = SEQ, seed: int = 1234) -> list[torch.Tensor]:
+    """Token ids per step; the model's own ``labels=input_ids`` loss shifts them."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def loss(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
