@@ -79,9 +79,17 @@ def _resolve_name(text: str, names: list[str], name_set: set[str], where: str) -
     if _is_pattern(text):
         found = expand_pattern(text, names)
         if not found:
-            depth = text.count(".") + 1
-            same_depth = sorted({n for n in names if n.count(".") + 1 == depth})
-            hint = suggest(text.replace("*", "0"), same_depth)
+            # suggest patterns, not modules: each module of the same depth with the user's
+            # glob segments put back ("model.layer.*" -> "model.layers.*", not "model.layers.0")
+            parts = text.split(".")
+            candidates = sorted(
+                {
+                    ".".join(p if _is_pattern(p) else seg for p, seg in zip(parts, n.split(".")))
+                    for n in names
+                    if n.count(".") + 1 == len(parts)
+                }
+            )
+            hint = suggest(text, candidates)
             raise OverlapConfigError(f"{where}: pattern {text!r} matches no module.{hint}")
         return found
     if text not in name_set:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -109,6 +110,16 @@ def test_unknown_fqn_in_list_entry_names_position():
 def test_pattern_matching_nothing():
     with pytest.raises(OverlapConfigError, match=r"pattern 'layers\.\*' matches no module"):
         plan(gpt_small(), ["layers.*"])
+
+
+@pytest.mark.parametrize(
+    "pattern, suggestion",
+    [("block.*", "'blocks.*'"), ("blocks.*.atn", "'blocks.*.attn'"), ("blocks.[0-1].mlp.fcc", "'blocks.[0-1].mlp.fc'")],
+)
+def test_pattern_matching_nothing_suggests_a_pattern(pattern, suggestion):
+    # the glob segments are kept: a pattern is suggested, not one module it would match
+    with pytest.raises(OverlapConfigError, match=rf"Did you mean {re.escape(suggestion)}"):
+        plan(gpt_small(), [pattern])
 
 
 def test_empty_range():
