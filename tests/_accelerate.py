@@ -22,9 +22,12 @@ MAX_GRAD_NORM = 1.0
 MODEL = dict(n_layer=4, d_model=64, block_size=SEQ)
 
 
-def accelerate_launch(config: str | Path, *script_args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file CONFIG --num_processes 2 examples/accelerate_train.py ARGS``,
-    run from the repository root as a user would, with no CPU override in the environment."""
+def accelerate_launch(
+    config: str | Path, *script_args: str, script: Path = EXAMPLE, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file CONFIG --num_processes 2 SCRIPT ARGS`` (by default
+    examples/accelerate_train.py), run from the repository root as a user would, with no
+    CPU override in the environment."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [
         str(accelerate),
@@ -33,7 +36,7 @@ def accelerate_launch(config: str | Path, *script_args: str, timeout: float = 60
         str(config),
         "--num_processes",
         "2",
-        str(EXAMPLE.relative_to(ROOT)),
+        str(script.relative_to(ROOT)),
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -57,10 +60,10 @@ def copy_yaml(path: Path, **fsdp_changes) -> Path:
     return path
 
 
-def rank_lines(text: str) -> dict[int, tuple[int, int]]:
+def rank_lines(text: str, model: str = "GPT") -> dict[int, tuple[int, int]]:
     """``{rank: (local elements, total elements)}`` from the example's per-rank line."""
     found = re.findall(
-        r"\[rank (\d+)/2\] .* GPT not wrapped, holds (\d+) of (\d+) parameter elements \(DTensor shards\)", text
+        rf"\[rank (\d+)/2\] .* {model} not wrapped, holds (\d+) of (\d+) parameter elements \(DTensor shards\)", text
     )
     return {int(r): (int(local), int(total)) for r, local, total in found}
 

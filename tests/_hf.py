@@ -76,3 +76,20 @@ def batches(steps: int, batch: int, seq: int = SEQ, seed: int = 1234) -> list[to
 
 def loss(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
+
+
+def expected_collectives(model: torch.nn.Module, plan: list[list[str]]) -> tuple[int, int]:
+    """``(forward all-gathers, backward reduce-scatters)`` the passes must leave, read from
+    the plan: one reduce-scatter per entry owning parameters (a tied parameter's gradient is
+    reduce-scattered per use, so each entry that uses it gets its own), but one forward
+    all-gather only per entry holding a parameter no earlier entry holds (AOT autograd
+    merges the two identical gathers of a tied weight into the first, so an entry holding
+    only the tied ``lm_head.weight`` gathers nothing of its own)."""
+    seen: set[int] = set()
+    forward = backward = 0
+    for entry in plan:
+        params = {id(p) for fqn in entry for p in model.get_submodule(fqn).parameters()}
+        backward += bool(params)
+        forward += bool(params - seen)
+        seen |= params
+    return forward, backward

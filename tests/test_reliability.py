@@ -39,6 +39,7 @@ BAD_INPUTS = [
     ({"activation_checkpointing": ["blokcs.*"]}, {}, ["activation_checkpointing[0]", "'blokcs.*'"]),
     ({"rank_check": "eror"}, {}, ["rank_check", "'error'"]),
     ({"on_compile_error": "skip"}, {}, ["on_compile_error", "raise, eager"]),
+    ({"on_unbucketed": "ignore"}, {}, ["on_unbucketed", "error, warn"]),
 ]
 
 

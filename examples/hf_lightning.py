@@ -1,0 +1,162 @@
+"""A Hugging Face ``transformers`` causal LM (Llama-style, ``LlamaForCausalLM``) trained with
+``Trainer(strategy="fsdp_overlap", precision="bf16-mixed")``: sharded FSDP2-style,
+compiled with the overlap passes, on 2 CPU ranks (gloo) by default. Rank 0 prints the
+schedule summary at the end.
+
+    python examples/hf_lightning.py                                        # 2 CPU ranks (Lightning starts the second)
+    torchrun --standalone --nproc-per-node 2 examples/hf_lightning.py --steps 3
+    python examples/hf_lightning.py --config-json path/to/config.json      # any local transformers config.json
+    python examples/hf_lightning.py --weights path/to/folder               # a folder written by save_pretrained
+
+Nothing is downloaded: the default model is the tiny Llama of ``LLAMA`` below
+(``lm_head`` shares the embedding's weight), ``--config-json`` reads a local
+``config.json``, and ``--weights`` loads a local checkpoint with
+``from_pretrained(..., local_files_only=True)`` on every rank before the strategy shards it.
+
+The model is built in ``__init__`` on every rank, in real memory, and the strategy
+shards it (``self.model`` is what it parallelizes). Building a transformers model on
+the meta device in ``configure_model`` is not supported yet (transformers initialises
+through ``post_init`` and computes rotary ``inv_freq`` in ``__init__``, which
+``materialize`` does not repeat): that is a separate, later issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
+
+import fsdp_overlap_plugin as fo  # registers strategy="fsdp_overlap"
+from fsdp_overlap_plugin.hf import load_config, model_from_config
+
+# ---- settings (nanoGPT style: edit here) -------------------------------------------
+STEPS = 8
+BATCH_PER_RANK = 4
+SEQ = 32
+SAMPLES = 256
+LR = 3e-3
+MAX_GRAD_NORM = 1.0
+TRAINER = {
+    "strategy": "fsdp_overlap",  # bucket_plans: auto (one bucket per decoder layer), all passes on, inductor
+    "precision": "bf16-mixed",  # gather in bf16, reduce in fp32, fp32 master weights
+    "accelerator": "auto",  # cpu (gloo) here; cuda (nccl) on GPUs
+    "devices": 2,
+    "log_every_n_steps": 1,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+    "logger": False,
+}
+LLAMA = {  # the built-in model when no --config-json is given
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    # even, so both ranks' shards have the same shape: with uneven shards a second run on a
+    # warm inductor cache crashes in torch 2.13 (docs/troubleshooting.md, "Known problems")
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+    "use_cache": False,
+}
+# --------------------------------------------------------------------------------------
+
+
+def build_model(config: Any = None, weights: str | Path | None = None) -> nn.Module:
+    """The causal LM: from a local checkpoint folder (``save_pretrained``) when ``weights``
+    is given, else randomly initialised from ``config`` (a dict of config.json keys, a
+    path to a config.json, or a transformers config; None: ``LLAMA``). Never reaches the hub."""
+    if weights is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            weights, config=_config(config) if config is not None else None, local_files_only=True, dtype=torch.float32
+        )
+        return model.train()  # from_pretrained returns it in eval mode
+    return model_from_config(_config(LLAMA if config is None else config))
+
+
+def _config(config: Any) -> Any:
+    if isinstance(config, dict):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(**config)
+    if isinstance(config, (str, Path)):
+        return load_config(config)
+    return config
+
+
+class CausalLMModule(LightningModule):
+    """``self.model`` is the transformers model (built here, on every rank, from the same
+    seed); its own loss (``labels=input_ids``, shifted inside the model) is the loss."""
+
+    def __init__(self, config: Any = None, weights: str | None = None, lr: float = LR, seed: int = 0) -> None:
+        super().__init__()
+        self.lr = lr
+        torch.manual_seed(seed)  # the same initial weights on every rank; each keeps its shard
+        self.model = build_model(config, weights)
+        self.losses: list[float] = []  # this rank's loss per step
+        self.all_losses: list[list[float]] | None = None  # every rank's, after fit
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(loss.detach().float().item())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_end(self) -> None:
+        gathered = self.all_gather(torch.tensor(self.losses, dtype=torch.float64))
+        self.all_losses = gathered.reshape(-1, len(self.losses)).tolist()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def token_sequences(samples: int, seq_len: int, vocab_size: int, seed: int = 1234) -> torch.Tensor:
+    """Token sequences that can be learnt: each counts up from a random start by a random
+    stride (mod the vocabulary), so two tokens predict the next. The first sequences do
+    not depend on ``samples``."""
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, vocab_size, (samples, 2, 1), generator=g).unbind(1)  # row by row
+    return (start + (stride % 7 + 1) * torch.arange(seq_len)) % vocab_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: LLAMA)")
+    parser.add_argument("--weights", default=None, help="a local folder written by save_pretrained")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # two ranks share a small machine
+    seed_everything(0)
+    module = CausalLMModule(args.config_json, args.weights)
+    vocab = module.model.config.vocab_size
+    loader = DataLoader(TensorDataset(token_sequences(SAMPLES, SEQ, vocab)), batch_size=BATCH_PER_RANK)
+    # Lightning replaces the sampler by a shuffling DistributedSampler: each rank reads its part.
+    trainer = Trainer(**TRAINER, max_steps=args.steps, gradient_clip_val=MAX_GRAD_NORM)
+    trainer.fit(module, loader)
+
+    if trainer.is_global_zero:
+        report = trainer.strategy.schedule_report  # taken after the first optimizer step
+        losses = [sum(step) / len(step) for step in zip(*module.all_losses)]  # mean over ranks
+        print()
+        print(f"{type(module.model).__name__}: losses {', '.join(f'{x:.4f}' for x in losses)}")
+        print(fo.format_report(report))
+        if args.metrics:
+            data = {"losses": losses, "rank_losses": module.all_losses, "report": report}
+            Path(args.metrics).write_text(json.dumps(data, default=str))
+
+
+if __name__ == "__main__":
+    main()
