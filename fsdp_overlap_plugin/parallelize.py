@@ -43,12 +43,7 @@ def parameter_entries(model: nn.Module, plan: list[list[str]]) -> dict[str, int 
 
 def unbucketed_parameters(model: nn.Module, plan: list[list[str]]) -> list[str]:
     """Parameter FQNs held by modules that no plan entry covers."""
-    index = BucketIndex(plan)
-    out = []
-    for name, module in model.named_modules():
-        if index.bucket_of(name) is None:
-            out.extend(f"{name}.{p}" if name else p for p, v in module._parameters.items() if v is not None)
-    return out
+    return [fqn for fqn, entry in parameter_entries(model, plan).items() if entry is None]
 
 
 def parallelize(
@@ -87,6 +82,7 @@ def parallelize(
     device_type = mesh.device_type
     if device_type != "cpu" and not _on_meta(model):
         model.to(accelerators.device_for_rank(device_type))
+    entries = parameter_entries(model, plan)
     state = OverlapState(
         config=config,
         plan=plan,
@@ -97,9 +93,9 @@ def parallelize(
         mesh=mesh,
         instance=next(_INSTANCES),
         model_fingerprint=model_fingerprint(model),
-        unbucketed_params=unbucketed_parameters(model, plan),
-        last_bucket=_last_bucket_with_parameters(model, plan),
-        param_entries=parameter_entries(model, plan),
+        unbucketed_params=[fqn for fqn, entry in entries.items() if entry is None],
+        last_bucket=max((e for e in entries.values() if e is not None), default=None),
+        param_entries=entries,
     )
     if checkpointed:
         apply_activation_checkpointing(model, checkpointed)
@@ -122,13 +118,6 @@ def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
     if config.separate_gather_group is not None:
         return config.separate_gather_group
     return accelerators.backend_for(device_type) in ("nccl", "hccl")
-
-
-def _last_bucket_with_parameters(model: nn.Module, plan: list[list[str]]) -> int | None:
-    for i in reversed(range(len(plan))):
-        if any(True for fqn in plan[i] for _ in model.get_submodule(fqn).parameters()):
-            return i
-    return None
 
 
 def _on_meta(model: nn.Module) -> bool:
