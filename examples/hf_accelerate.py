@@ -7,9 +7,9 @@ fsdp_overlap_* keys under fsdp_config); the script has one extra line.
     ... examples/hf_accelerate.py --config-json path/to/config.json   # any local transformers config.json
     ... examples/hf_accelerate.py --weights path/to/folder            # a folder written by save_pretrained
 
-Nothing is downloaded: the default model is the tiny Llama of ``LLAMA`` below
-(``lm_head`` shares the embedding's weight), ``--config-json`` reads a local
-``config.json``, and ``--weights`` loads a local checkpoint with
+Nothing is downloaded: the default model is the tiny Llama of
+``fsdp_overlap_plugin.models.TINY_LLAMA`` (``lm_head`` shares the embedding's weight),
+``--config-json`` reads a local ``config.json``, and ``--weights`` loads a local checkpoint with
 ``from_pretrained(..., local_files_only=True)`` on every rank before ``prepare`` shards it.
 The model is built in real memory on every rank; building a transformers model on the
 meta device is not supported yet (a separate, later issue).
@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see the README
 from fsdp_overlap_plugin.hf import load_config, model_from_config
+from fsdp_overlap_plugin.models import TINY_LLAMA, counting_sequences
 
 # ---- settings (nanoGPT style: edit here) -------------------------------------------
 STEPS = 8
@@ -36,38 +37,14 @@ BATCH_PER_RANK = 4
 SEQ = 32
 LR = 3e-3
 MAX_GRAD_NORM = 1.0
-LLAMA = {  # the built-in model when no --config-json is given
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    # even, so both ranks' shards have the same shape: with uneven shards a second run on a
-    # warm inductor cache crashes in torch 2.13 (docs/troubleshooting.md, "Known problems")
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-    "use_cache": False,
-}
 # --------------------------------------------------------------------------------------
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: LLAMA)")
+parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: TINY_LLAMA)")
 parser.add_argument("--weights", default=None, help="a local folder written by save_pretrained")
 parser.add_argument("--steps", type=int, default=STEPS)
 parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
 args = parser.parse_args()
-
-
-def token_sequences(samples: int, seq_len: int, vocab_size: int, seed: int = 1234) -> torch.Tensor:
-    """Token sequences that can be learnt: each counts up from a random start by a random
-    stride (mod the vocabulary), so two tokens predict the next. The first sequences do
-    not depend on ``samples``."""
-    g = torch.Generator().manual_seed(seed)
-    start, stride = torch.randint(0, vocab_size, (samples, 2, 1), generator=g).unbind(1)  # row by row
-    return (start + (stride % 7 + 1) * torch.arange(seq_len)) % vocab_size
 
 
 accelerator = Accelerator()
@@ -78,10 +55,10 @@ if args.weights:
         args.weights, config=config, local_files_only=True, dtype=torch.float32
     ).train()  # from_pretrained returns it in eval mode
 else:
-    model = model_from_config(AutoConfig.for_model(**LLAMA) if config is None else config)
+    model = model_from_config(AutoConfig.for_model(**TINY_LLAMA) if config is None else config)
 optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 # One global batch per step; Accelerate deals each rank its part (BATCH_PER_RANK sequences).
-tokens = token_sequences(args.steps * BATCH_PER_RANK * accelerator.num_processes, SEQ, model.config.vocab_size)
+tokens = counting_sequences(args.steps * BATCH_PER_RANK * accelerator.num_processes, SEQ, model.config.vocab_size)
 loader = DataLoader(TensorDataset(tokens), batch_size=BATCH_PER_RANK)
 
 model, optimizer, loader = prepare(accelerator, model, optimizer, loader)  # <- the fsdp-overlap line

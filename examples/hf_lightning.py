@@ -8,9 +8,9 @@ schedule summary at the end.
     python examples/hf_lightning.py --config-json path/to/config.json      # any local transformers config.json
     python examples/hf_lightning.py --weights path/to/folder               # a folder written by save_pretrained
 
-Nothing is downloaded: the default model is the tiny Llama of ``LLAMA`` below
-(``lm_head`` shares the embedding's weight), ``--config-json`` reads a local
-``config.json``, and ``--weights`` loads a local checkpoint with
+Nothing is downloaded: the default model is the tiny Llama of
+``fsdp_overlap_plugin.models.TINY_LLAMA`` (``lm_head`` shares the embedding's weight),
+``--config-json`` reads a local ``config.json``, and ``--weights`` loads a local checkpoint with
 ``from_pretrained(..., local_files_only=True)`` on every rank before the strategy shards it.
 
 The model is built in ``__init__`` on every rank, in real memory, and the strategy
@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_overlap_plugin as fo  # registers strategy="fsdp_overlap"
 from fsdp_overlap_plugin.hf import load_config, model_from_config
+from fsdp_overlap_plugin.models import TINY_LLAMA, counting_sequences
 
 # ---- settings (nanoGPT style: edit here) -------------------------------------------
 STEPS = 8
@@ -52,28 +53,13 @@ TRAINER = {
     "enable_checkpointing": False,
     "logger": False,
 }
-LLAMA = {  # the built-in model when no --config-json is given
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    # even, so both ranks' shards have the same shape: with uneven shards a second run on a
-    # warm inductor cache crashes in torch 2.13 (docs/troubleshooting.md, "Known problems")
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-    "use_cache": False,
-}
 # --------------------------------------------------------------------------------------
 
 
 def build_model(config: Any = None, weights: str | Path | None = None) -> nn.Module:
     """The causal LM: from a local checkpoint folder (``save_pretrained``) when ``weights``
     is given, else randomly initialised from ``config`` (a dict of config.json keys, a
-    path to a config.json, or a transformers config; None: ``LLAMA``). Never reaches the hub."""
+    path to a config.json, or a transformers config; None: ``TINY_LLAMA``). Never reaches the hub."""
     if weights is not None:
         from transformers import AutoModelForCausalLM
 
@@ -81,7 +67,7 @@ def build_model(config: Any = None, weights: str | Path | None = None) -> nn.Mod
             weights, config=_config(config) if config is not None else None, local_files_only=True, dtype=torch.float32
         )
         return model.train()  # from_pretrained returns it in eval mode
-    return model_from_config(_config(LLAMA if config is None else config))
+    return model_from_config(_config(TINY_LLAMA if config is None else config))
 
 
 def _config(config: Any) -> Any:
@@ -121,18 +107,9 @@ class CausalLMModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def token_sequences(samples: int, seq_len: int, vocab_size: int, seed: int = 1234) -> torch.Tensor:
-    """Token sequences that can be learnt: each counts up from a random start by a random
-    stride (mod the vocabulary), so two tokens predict the next. The first sequences do
-    not depend on ``samples``."""
-    g = torch.Generator().manual_seed(seed)
-    start, stride = torch.randint(0, vocab_size, (samples, 2, 1), generator=g).unbind(1)  # row by row
-    return (start + (stride % 7 + 1) * torch.arange(seq_len)) % vocab_size
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: LLAMA)")
+    parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: TINY_LLAMA)")
     parser.add_argument("--weights", default=None, help="a local folder written by save_pretrained")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
@@ -142,7 +119,7 @@ def main() -> None:
     seed_everything(0)
     module = CausalLMModule(args.config_json, args.weights)
     vocab = module.model.config.vocab_size
-    loader = DataLoader(TensorDataset(token_sequences(SAMPLES, SEQ, vocab)), batch_size=BATCH_PER_RANK)
+    loader = DataLoader(TensorDataset(counting_sequences(SAMPLES, SEQ, vocab)), batch_size=BATCH_PER_RANK)
     # Lightning replaces the sampler by a shuffling DistributedSampler: each rank reads its part.
     trainer = Trainer(**TRAINER, max_steps=args.steps, gradient_clip_val=MAX_GRAD_NORM)
     trainer.fit(module, loader)

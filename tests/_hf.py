@@ -33,31 +33,36 @@ _COMMON = dict(
 )
 
 
-def config(family: str):
+def config(family: str, **overrides):
+    """The family's transformers config; ``overrides`` replace or add config fields."""
     import transformers as T
 
-    if family == "llama":
-        return T.LlamaConfig(**_COMMON, num_key_value_heads=2, tie_word_embeddings=True)
-    if family == "qwen2":
-        return T.Qwen2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False)
-    if family == "gpt2":
-        return T.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0,
-            embd_pdrop=0,
-            attn_pdrop=0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    if family == "mixtral":
-        return T.MixtralConfig(**_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    if family == "neox":
-        return T.GPTNeoXConfig(**_COMMON, hidden_dropout=0, attention_dropout=0, tie_word_embeddings=False)
-    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    common = dict(_COMMON, num_key_value_heads=2)
+    classes_and_fields = {
+        "llama": (T.LlamaConfig, dict(common, tie_word_embeddings=True)),
+        "qwen2": (T.Qwen2Config, dict(common, tie_word_embeddings=False)),
+        "gpt2": (
+            T.GPT2Config,
+            dict(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=64,
+                resid_pdrop=0,
+                embd_pdrop=0,
+                attn_pdrop=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        "mixtral": (T.MixtralConfig, dict(common, num_local_experts=4, num_experts_per_tok=2)),
+        "neox": (T.GPTNeoXConfig, dict(_COMMON, hidden_dropout=0, attention_dropout=0, tie_word_embeddings=False)),
+    }
+    if family not in classes_and_fields:
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    cls, fields = classes_and_fields[family]
+    return cls(**{**fields, **overrides})
 
 
 def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

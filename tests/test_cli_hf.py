@@ -9,6 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
+import _hf
 import pytest
 import torch
 
@@ -19,26 +20,15 @@ T = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_YAML = str(ROOT / "configs" / "plugin.yaml")
-VOCAB = 97  # odd: shards of 49 and 48 rows on 2 ranks
+VOCAB = _hf.VOCAB
 
 
 def llama_config(**overrides):
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return T.LlamaConfig(**{**kwargs, **overrides})
+    return _hf.config("llama", **overrides)
 
 
 def gpt2_config(**overrides):
-    kwargs = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
-    return T.GPT2Config(**{**kwargs, **overrides}, architectures=["GPT2LMHeadModel"])
+    return _hf.config("gpt2", architectures=["GPT2LMHeadModel"], **overrides)
 
 
 def on_meta(config):

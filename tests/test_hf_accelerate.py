@@ -1,5 +1,5 @@
 """The real ``accelerate launch --config_file <yaml> --num_processes 2 examples/hf_accelerate.py``
-with a Hugging Face Llama (tied embeddings, tests/_hf.py's, given as ``--config-json``) on
+with a Hugging Face Llama (tied embeddings) and GPT-2 (tests/_hf.py's, as ``--config-json``) on
 a CPU-only machine: 2 gloo ranks, losses bitwise equal to the core's ``parallelize()``
 on the same model, data and optimizer, the bucket counts the plan says; and ``--weights``
 of a ``save_pretrained`` checkpoint is what the run starts from.
@@ -20,7 +20,9 @@ import torch
 from _accelerate import accelerate_launch, copy_yaml, output, rank_lines
 from _dist import run_ranks
 
+import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin import OverlapConfig
+from fsdp_overlap_plugin.models import counting_sequences
 
 pytestmark = pytest.mark.slow
 
@@ -33,27 +35,18 @@ LR = 3e-3
 MAX_GRAD_NORM = 1.0
 
 
-def token_sequences(samples: int, seq_len: int, vocab_size: int, seed: int = 1234) -> torch.Tensor:
-    """examples/hf_accelerate.py's data (a copy: the example is a script, not a module)."""
-    g = torch.Generator().manual_seed(seed)
-    start, stride = torch.randint(0, vocab_size, (samples, 2, 1), generator=g).unbind(1)  # row by row
-    return (start + (stride % 7 + 1) * torch.arange(seq_len)) % vocab_size
-
-
 def global_batches(steps: int, world: int = 2) -> list[torch.Tensor]:
-    tokens = token_sequences(steps * BATCH_PER_RANK * world, SEQ, _hf.VOCAB)
+    tokens = counting_sequences(steps * BATCH_PER_RANK * world, SEQ, _hf.VOCAB)
     return list(tokens.split(BATCH_PER_RANK * world))
 
 
-def _core_reference(rank: int, world: int, steps: int) -> list[float]:
+def _core_reference(rank: int, world: int, steps: int, family: str = "llama") -> list[float]:
     """The example's training through the core ``parallelize()`` and plain torch (no
     Accelerate): the same seeded model, this rank's slice of each global batch, AdamW,
     clipping; the mean loss over ranks per step."""
     import torch.distributed as dist
 
-    import fsdp_overlap_plugin as fo
-
-    model = fo.parallelize(_hf.build("llama", seed=0), OverlapConfig(backend="aot_eager"))
+    model = fo.parallelize(_hf.build(family, seed=0), OverlapConfig(backend="aot_eager"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
     losses = []
@@ -74,32 +67,34 @@ def hf_launch(config, *args: str):
     return accelerate_launch(config, *args, script=EXAMPLE)
 
 
-def _assert_bucketed(report: dict) -> None:
-    """Each plan entry one forward all-gather (the tied weight's reads are one gather, in
-    its first entry) and one backward reduce-scatter, where before there was one per
-    parameter (and per use of the tied weight)."""
-    plain = _hf.build("llama")
+def _assert_bucketed(report: dict, family: str) -> None:
+    """Each plan entry one forward all-gather (a tied weight's reads are one gather, in its
+    first entry) and one backward reduce-scatter, where before there was one per parameter
+    (and per use of a tied weight)."""
+    plain = _hf.build(family)
     forward, backward = _hf.expected_collectives(plain, report["plan"])
-    assert report["plan"] == [["model.embed_tokens"], ["model.layers.0"], ["model.layers.1"], ["model.norm", "lm_head"]]
+    assert report["plan"] == fo.auto_plan(plain)
     assert (forward, backward) == (4, 4)
     assert report["forward"]["after"]["all_gather"] == forward
     assert report["backward"]["after"]["reduce_scatter"] == backward
     params = len(list(plain.parameters()))
-    assert report["forward"]["before"]["all_gather"] == params == 20
-    assert report["backward"]["before"]["reduce_scatter"] == params + 1  # lm_head's use of the tied weight
+    uses = len(list(plain.named_parameters(remove_duplicate=False)))  # a tied weight twice
+    assert report["forward"]["before"]["all_gather"] == params
+    assert report["backward"]["before"]["reduce_scatter"] == uses
     assert report["forward"]["left_unbucketed"] == [] and report["backward"]["left_unbucketed"] == []
 
 
-def test_launch_trains_the_transformers_model_like_core_parallelize(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # tied embeddings; no loss_type (adjusted)
+def test_launch_trains_the_transformers_model_like_core_parallelize(tmp_path, family):
     config_json = tmp_path / "config.json"
-    _hf.config("llama").to_json_file(config_json)
+    _hf.config(family).to_json_file(config_json)
     yaml_path = copy_yaml(tmp_path / "hf.yaml", fsdp_overlap_backend="aot_eager")
     metrics = tmp_path / "metrics.json"
     proc = hf_launch(yaml_path, "--config-json", str(config_json), "--steps", str(STEPS), "--metrics", str(metrics))
     text = output(proc)
     assert proc.returncode == 0, text[-6000:]
     assert f"fsdp-overlap settings from {yaml_path} (--config_file of accelerate launch" in proc.stdout
-    shards = rank_lines(text, "LlamaForCausalLM")
+    shards = rank_lines(text, type(_hf.build(family)).__name__)
     assert sorted(shards) == [0, 1]
     (local0, total), (local1, _) = shards[0], shards[1]
     assert local0 + local1 == total and local0 != local1  # vocabulary 97: uneven shards of the embedding
@@ -109,10 +104,12 @@ def test_launch_trains_the_transformers_model_like_core_parallelize(tmp_path):
     report = result["report"]
     assert (report["world_size"], report["backend"], report["mode"]) == (2, "aot_eager", "compiled")
     assert report["config"] == OverlapConfig(backend="aot_eager").to_dict()
-    _assert_bucketed(report)
+    _assert_bucketed(report, family)
+    if family == "gpt2":
+        assert any("loss_type None -> 'ForCausalLM'" in note for note in report["adjustments"])
 
     losses = [result["losses"][str(step)] for step in range(STEPS)]
-    reference = run_ranks(_core_reference, STEPS, world=2, env={"OMP_NUM_THREADS": "1"})
+    reference = run_ranks(_core_reference, STEPS, family, world=2, env={"OMP_NUM_THREADS": "1"})
     print("launch losses:", losses, "core:", reference[0])
     assert reference[0] == reference[1]
     assert losses == reference[0], (losses, reference[0])  # bitwise

@@ -3,7 +3,8 @@
 LightningModule, on 2 real gloo ranks: losses bitwise equal to the core's
 ``parallelize()`` with the config the strategy resolves, and the passes' bucket counts
 equal to what the plan says, for the auto plan and for a plan that gives the tied
-``lm_head`` an entry of its own.
+``lm_head`` an entry of its own; and the same comparison for every other family of
+tests/_hf.py (Qwen2, GPT-2, Mixtral, GPT-NeoX) with the auto plan.
 
 One ``run_ranks`` job runs every scenario; ``backend="aot_eager"`` (inductor takes about
 2.5 minutes to compile this model twice on this 2-core machine; passes run either way).
@@ -37,6 +38,7 @@ CLIP = 1.0
 # what precision="bf16-mixed" must resolve to (docs: gather in bf16, reduce in fp32)
 CONFIG = {"backend": "aot_eager", "param_dtype": "bf16", "reduce_dtype": "fp32"}
 TIED_HEAD_PLAN = [["model.embed_tokens"], "model.layers.*", ["model.norm"], ["lm_head"]]
+OTHER_FAMILIES = [f for f in _hf.FAMILIES if f != "llama"]
 
 
 def _example():
@@ -46,11 +48,11 @@ def _example():
     return hf_lightning
 
 
-def _core(batches: list[torch.Tensor], config: dict) -> dict:
+def _core(batches: list[torch.Tensor], config: dict, family: str = "llama") -> dict:
     """The Trainer's training through the core: the same seeded model, this rank's
     batches, Lightning's autocast (bf16-mixed), clipping and AdamW."""
     torch._dynamo.reset()
-    model = _hf.build("llama", seed=0)
+    model = _hf.build(family, seed=0)
     fo.parallelize(model, config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -65,9 +67,9 @@ def _core(batches: list[torch.Tensor], config: dict) -> dict:
     return {"losses": losses, "report": fo.schedule_report(model)}
 
 
-def _fit(root: str, data: TensorDataset, **strategy) -> dict:
+def _fit(root: str, data: TensorDataset, family: str = "llama", **strategy) -> dict:
     torch._dynamo.reset()
-    lit = _example().CausalLMModule(_hf.config("llama"), lr=LR, seed=0)
+    lit = _example().CausalLMModule(_hf.config(family), lr=LR, seed=0)
     tr = trainer(
         root,
         max_epochs=1,
@@ -101,6 +103,17 @@ def _all(rank: int, world: int, root: str) -> dict:
         out[name] = fn()
         out["seconds"][name] = round(time.perf_counter() - start, 1)
         out[name]["expected"] = _hf.expected_collectives(plain, out[name]["report"]["plan"])
+    for family in OTHER_FAMILIES:  # the Trainer against the core for every other family too
+        plain = _hf.build(family, seed=0)
+        for name, fn in (
+            (f"auto_{family}", lambda f=family: _fit(f"{root}/{f}", data, f)),
+            (f"core_{family}", lambda f=family: _core(batches, CONFIG, f)),
+        ):
+            start = time.perf_counter()
+            out[name] = fn()
+            out["seconds"][name] = round(time.perf_counter() - start, 1)
+            out[name]["expected"] = _hf.expected_collectives(plain, out[name]["report"]["plan"])
+    plain = _hf.build("llama", seed=0)
     out["params"] = len(list(plain.parameters()))  # tied: one parameter
     out["uses"] = len(list(plain.named_parameters(remove_duplicate=False)))  # tied: two
     return out
@@ -168,6 +181,21 @@ def _assert_passes_did_something(report: dict, r: dict) -> None:
     assert backward["before"]["reduce_scatter"] >= 4 * backward["after"]["reduce_scatter"]
     assert report["mode"] == "compiled" and report["backend"] == "aot_eager"
     assert forward["left_unbucketed"] == [] and backward["left_unbucketed"] == []
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_through_the_trainer_equal_the_core_and_are_bucketed(results, family):
+    for r in results:
+        auto, core = r[f"auto_{family}"], r[f"core_{family}"]
+        assert auto["config"] == fo.OverlapConfig(**CONFIG).to_dict()
+        assert all(math.isfinite(x) for x in auto["losses"])
+        assert auto["losses"] == core["losses"], (family, auto["losses"], core["losses"])  # bitwise
+    report = results[0][f"auto_{family}"]["report"]
+    forward, backward = results[0][f"auto_{family}"]["expected"]
+    assert report["forward"]["after"]["all_gather"] == forward == len(report["plan"])
+    assert report["backward"]["after"]["reduce_scatter"] == backward == len(report["plan"])
+    assert report["forward"]["before"]["all_gather"] > 3 * forward
+    assert report["forward"]["left_unbucketed"] == [] and report["backward"]["left_unbucketed"] == []
 
 
 def test_weights_option_loads_a_save_pretrained_checkpoint(tmp_path):
