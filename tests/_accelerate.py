@@ -83,25 +83,34 @@ def core_reference(rank: int, world: int, steps: int, backend: str) -> list[floa
 
 
 def core_losses(
-    model, batches: list, rank: int, world: int, batch_per_rank: int, lr: float, max_grad_norm: float
+    model,
+    batches: list,
+    rank: int,
+    world: int,
+    batch_per_rank: int,
+    lr: float,
+    max_grad_norm: float,
+    loss=None,
 ) -> list[float]:
     """What Accelerate does for a training step, in plain torch: AdamW on this rank's
-    slice of each global batch, gradients clipped; the mean loss over ranks per step."""
+    slice of each global batch (a tuple of tensors), gradients clipped; the mean loss over
+    ranks per step. ``loss(model, *batch)`` (default: the test GPT's ``x, y`` loss)."""
     import torch
     import torch.distributed as dist
 
     from fsdp_overlap_plugin.models import loss_fn
 
+    loss = loss or (lambda m, x, y: loss_fn(m(x), y))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     mine = slice(rank * batch_per_rank, (rank + 1) * batch_per_rank)
     losses = []
-    for x, y in batches:
-        loss = loss_fn(model(x[mine]), y[mine])
-        loss.backward()
+    for batch in batches:
+        value = loss(model, *(t[mine] for t in batch))
+        value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
+        value = value.detach().clone()
         dist.all_reduce(value)
         losses.append((value / world).item())
     return losses

@@ -12,9 +12,10 @@ from pathlib import Path
 import _hf
 import pytest
 import torch
+from test_cli import run, run_json
 
 from fsdp_overlap_plugin import auto_plan
-from fsdp_overlap_plugin.cli import load_model, main
+from fsdp_overlap_plugin.cli import load_model
 
 T = pytest.importorskip("transformers")
 
@@ -64,17 +65,6 @@ def gpt2_file(tmp_path) -> Path:
     file = tmp_path / "gpt2.json"
     gpt2_config().to_json_file(file)
     return file
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def run_json(capsys, *argv: str) -> tuple[int, dict]:
-    code, out, _ = run(capsys, *argv, "--json")
-    return code, json.loads(out)
 
 
 def n_params(model) -> int:

@@ -17,7 +17,7 @@ import _accelerate
 import _hf
 import pytest
 import torch
-from _accelerate import accelerate_launch, copy_yaml, output, rank_lines
+from _accelerate import accelerate_launch, copy_yaml, core_losses, output, rank_lines
 from _dist import run_ranks
 
 import fsdp_overlap_plugin as fo
@@ -44,22 +44,9 @@ def _core_reference(rank: int, world: int, steps: int, family: str = "llama") ->
     """The example's training through the core ``parallelize()`` and plain torch (no
     Accelerate): the same seeded model, this rank's slice of each global batch, AdamW,
     clipping; the mean loss over ranks per step."""
-    import torch.distributed as dist
-
     model = fo.parallelize(_hf.build(family, seed=0), OverlapConfig(backend="aot_eager"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-    losses = []
-    for ids in global_batches(steps, world):
-        loss = _hf.loss(model, ids[mine])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append((value / world).item())
-    return losses
+    batches = [(ids,) for ids in global_batches(steps, world)]
+    return core_losses(model, batches, rank, world, BATCH_PER_RANK, LR, MAX_GRAD_NORM, loss=_hf.loss)
 
 
 def hf_launch(config, *args: str):
