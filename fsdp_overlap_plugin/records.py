@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["load_graph_records", "save_record", "store_dir"]
+__all__ = ["load_graph_records", "record_name", "save_record", "store_dir"]
 
 _NAMES = ("joint", "forward", "backward", "inference")
 
@@ -32,7 +32,9 @@ def store_dir(uuid: str, graph_id: str | None, rank: int = 0) -> Path:
     return Path(cache_dir()) / "fsdp_overlap" / uuid / f"rank{rank}" / (graph_id or "unknown")
 
 
-def _name(record: dict) -> str:
+def record_name(record: dict) -> str:
+    """What a record is of: "forward", "backward", "joint", or "inference" (a forward
+    compiled under ``no_grad``)."""
     return "inference" if record.get("inference") else record["graph"]
 
 
@@ -44,7 +46,7 @@ def save_record(uuid: str, record: dict, *, rank: int = 0) -> None:
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(record, f, default=str)
-        os.replace(tmp, directory / f"{_name(record)}.json")
+        os.replace(tmp, directory / f"{record_name(record)}.json")
     except OSError:
         pass  # a read-only cache dir only costs the report and the check on a later cache hit
 

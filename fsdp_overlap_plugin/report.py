@@ -227,17 +227,15 @@ def reshard_total(graphs: list[dict]) -> dict:
 
 def _labelled(records: list[dict]) -> list[dict]:
     """Copies of the records with ``label``: "forward", or "forward 2 of 3" when several."""
-
-    def name(r: dict) -> str:
-        return "inference" if r.get("inference") else r["graph"]
+    from .records import record_name
 
     totals: dict[str, int] = {}
     for record in records:
-        totals[name(record)] = totals.get(name(record), 0) + 1
+        totals[record_name(record)] = totals.get(record_name(record), 0) + 1
     seen: dict[str, int] = {}
     out = []
     for record in records:
-        key = name(record)
+        key = record_name(record)
         seen[key] = seen.get(key, 0) + 1
         label = key if totals[key] == 1 else f"{key} {seen[key]} of {totals[key]}"
         out.append(dict(record, label=label))

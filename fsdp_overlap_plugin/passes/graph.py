@@ -147,13 +147,14 @@ def merge_duplicate_waits(graph: fx.Graph) -> int:
     Waiting is idempotent, and the first wait precedes every later one's users, so nothing
     computed changes. Returns how many waits were removed."""
     removed = 0
+    order: dict[fx.Node, int] = {}  # graph positions, numbered once (erasing keeps the others' order)
     for node in list(graph.nodes):
         if not is_collective(node):
             continue
         waits = [u for u in node.users if is_wait(u) and not is_control_deps(u)]
         if len(waits) < 2:
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = order or {n: i for i, n in enumerate(graph.nodes)}
         first, *rest = sorted(waits, key=order.__getitem__)
         for wait in rest:
             wait.replace_all_uses_with(first)
