@@ -5,8 +5,9 @@ inductor
                "joint_custom_post_pass": (..existing.., ReshardJointPass),
                "reorder_for_peak_memory": False}``
     Both are ``CustomGraphPass`` objects whose ``uuid()`` hashes the plan, the config,
-    the model's structure and the pass source, so the FX graph cache stays on and is
-    invalidated exactly when something that changes the result changes. Passes that
+    the model's structure, the pass source and this rank's local shard shapes, so the
+    AOT autograd and FX graph caches stay on and are invalidated exactly when something
+    that changes the result changes (``OverlapState.cache_key``). Passes that
     were already installed (``torch_npu`` installs a post-grad pass) run first; ours run
     last so the order we choose is the order that is executed. Inductor's peak-memory
     reordering would undo the prefetch order, so it is turned off when passes are on.
@@ -90,10 +91,23 @@ class OverlapState:
     adjustments: list[str] = field(default_factory=list)  # what parallelize changed on the model, and why
     warned: set[str] = field(default_factory=set)  # modules already named in an unbucketed warning
     param_entries: dict[str, int | None] = field(default_factory=dict)  # parameter FQN -> its plan entry
+    compile_cache: list[dict] = field(default_factory=list)  # per Dynamo graph: what inductor's caches did
+    local_layout: str = ""  # digest of this rank's shard shapes (they differ across ranks when uneven)
 
     def uuid(self) -> str:
-        """Identifies everything that changes what the passes do to a graph."""
+        """Identifies everything that changes what the passes do to a graph; the same on
+        every rank (the rank-agreement keys are built from it)."""
         return _pass_uuid(self)
+
+    def cache_key(self) -> str:
+        """``uuid()`` plus this rank's local shard shapes: what our passes report to
+        inductor as their ``uuid()``, and so part of the AOT autograd and FX graph cache
+        keys. AOT autograd keys its cache on the graph Dynamo traced, whose DTensor
+        inputs carry global shapes only; with uneven shards (97 rows on 2 ranks: 49 and
+        48) every rank traces the same graph but compiles different code, and without
+        this a warm cache hands one rank another rank's code. Ranks whose shards have
+        equal shapes still share cache entries."""
+        return hashlib.sha256(f"{self.uuid()}:{self.local_layout}".encode()).hexdigest()[:32]
 
     @property
     def passes_on(self) -> bool:
@@ -148,6 +162,19 @@ def model_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()[:32]
 
 
+def local_layout(model: nn.Module) -> str:
+    """A digest of this rank's local shard shapes and strides (``to_local()`` of every
+    sharded parameter): equal on ranks whose compiled code is interchangeable."""
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            digest.update(f"{name}:{tuple(local.shape)}:{local.stride()};".encode())
+    return digest.hexdigest()[:32]
+
+
 # --------------------------------------------------------------------------- passes
 def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference: bool = False) -> dict:
     """Run the configured passes on one compiled graph and record what they did.
@@ -169,6 +196,9 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
     events_before = graph_events(gm.graph, state.plan)
     if state.gather_group is not None:
         record["passes"]["gather_group"] = {"moved": passes.use_gather_group(gm, state.gather_group)}
+    if kind == "backward" and (config.manual_bucketing or config.overlap_grad_reduce):
+        # before the bucketing: the one reduction of a tied parameter is bucketed like any other
+        record["passes"]["tied"] = passes.merge_tied_reductions(gm)
     if config.manual_bucketing:
         passes.manual_bucketing(gm, state.plan, recompile=False)
         stats = gm.meta.get("fsdp_overlap", {}).get("manual_bucketing", {})
@@ -188,7 +218,7 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
     gm.graph.lint()  # once, after every pass, instead of inside each
     record["schedule"] = {"before": events_before, "after": graph_events(gm.graph, state.plan)}
     state.records.append(record)
-    save_record(state.uuid(), record, rank=state.rank)
+    save_record(state.cache_key(), record, rank=state.rank)
     log.info(
         "fsdp-overlap %s graph: all-gathers %d -> %d, reduce-scatters %d -> %d, %s",
         "inference" if inference else kind,
@@ -216,7 +246,7 @@ def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
 
     record = {"graph": "joint", "graph_id": state.graph_id, **stats}
     state.reshard.append(record)
-    save_record(state.uuid(), record, rank=state.rank)  # for the report after a cache hit
+    save_record(state.cache_key(), record, rank=state.rank)  # for the report after a cache hit
 
 
 class OverlapGraphPass(CustomInferenceAwareGraphPass):
@@ -231,7 +261,7 @@ class OverlapGraphPass(CustomInferenceAwareGraphPass):
         run_passes(gm, kind, self.state, inference=is_inference)
 
     def uuid(self) -> str:
-        return "fsdp-overlap-post-grad-" + self.state.uuid()
+        return "fsdp-overlap-post-grad-" + self.state.cache_key()
 
 
 class ReshardJointPass(CustomGraphPass):
@@ -244,7 +274,7 @@ class ReshardJointPass(CustomGraphPass):
         run_reshard(graph.owning_module, self.state)
 
     def uuid(self) -> str:
-        return "fsdp-overlap-joint-" + self.state.uuid()
+        return "fsdp-overlap-joint-" + self.state.cache_key()
 
 
 def _chain(existing: Any, ours: Any) -> tuple:
@@ -367,6 +397,7 @@ def overlap_backend(state: OverlapState):
         graph_id = state.graph_id
         records_before = len(state.records)
         error: BaseException | None = None
+        before = _cache_counters()
         try:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 compiled = inner(gm, example_inputs)
@@ -374,6 +405,8 @@ def overlap_backend(state: OverlapState):
             error = exc
         finally:
             state.graph_id = None
+        if config.backend == "inductor":
+            state.compile_cache.append(_cache_use(index, graph_id, before, _cache_counters()))
         if agreement is not None:
             failures = agreement.all_succeeded("compile", None if error is None else f"{type(error).__name__}: {error}")
         else:
@@ -391,10 +424,72 @@ def overlap_backend(state: OverlapState):
         records = state.records[records_before:]
         if not records and state.passes_on:
             records = _records_from_cache(state, graph_id)
+        if agreement is not None and config.rank_check != "off":
+            _check_same_collectives(agreement, records, index, config.rank_check)
         _check_unbucketed(state, records, index)
         return compiled
 
     return backend
+
+
+def _cache_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        f"{group}.{key}": counters[group][key]
+        for group, keys in (
+            ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")),
+            ("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")),
+        )
+        for key in keys
+    }
+
+
+def _cache_use(index: int, graph_id: str, before: dict[str, int], after: dict[str, int]) -> dict:
+    """What inductor's own counters say its caches did while compiling one Dynamo graph:
+    the evidence behind the report's "from the compile cache", independent of our records."""
+    delta = {key: after[key] - before[key] for key in after}
+    aot = next((k for k in ("hit", "miss", "bypass") if delta[f"aot_autograd.autograd_cache_{k}"]), None)
+    return {
+        "graph": index,
+        "graph_id": graph_id,
+        "aot_autograd": aot,  # None: AOT autograd's cache was not consulted (it is off)
+        "fx_graph": {k: delta[f"inductor.fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")},
+    }
+
+
+_SIZED = ("all_gather", "reduce_scatter")
+
+
+def _check_same_collectives(agreement: Any, records: list[dict], index: int, mode: str) -> None:
+    """Every rank's passes must leave the same collectives, in kind, order and size, or the
+    ranks would issue collectives that never match (a hang, or gloo's "Received data
+    size doesn't match"). The Dynamo graphs are equal (checked before compiling), but
+    the graphs the passes see carry each rank's local shard shapes, so a pass that
+    decides on shapes could decide differently per rank: that is a bug in fsdp-overlap,
+    stopped here at the first step instead of in a collective."""
+    from .ranks import RankMismatchError
+
+    # in graph order: kind, and the bytes of shard-group collectives (all-gathers and
+    # reduce-scatters move padded, equal sizes on every rank; a replica all-reduce moves
+    # this rank's shard, whose size legitimately differs between shard positions)
+    entries = [
+        [f"{r['graph']} graph: {e['op']}" + (f" of {e['bytes']} bytes" if e["op"] in _SIZED else ""), ""]
+        for r in records
+        for e in (r.get("schedule") or {}).get("after", [])
+        if e["op"] not in ("compute", "wait")
+    ]
+    digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+    difference = agreement.same_graph("collectives", digest, entries)
+    if difference is None:
+        return
+    message = (
+        f"fsdp-overlap: the passes left different collectives on different ranks (graph {index}): {difference}. "
+        "This is a bug in fsdp-overlap; please report it with this message. (rank_check: warn only warns.)"
+    )
+    if mode == "error":
+        raise RankMismatchError(message)
+    warnings.warn(message, stacklevel=3)
 
 
 # A peer's error is quoted up to this many characters (whole tracebacks would bury the message).
@@ -406,7 +501,7 @@ def _records_from_cache(state: OverlapState, graph_id: str) -> list[dict]:
     graph cache hit inductor loads compiled code without running them."""
     from .records import load_graph_records
 
-    records = [dict(r, from_cache=True) for r in load_graph_records(state.uuid(), graph_id, rank=state.rank)]
+    records = [dict(r, from_cache=True) for r in load_graph_records(state.cache_key(), graph_id, rank=state.rank)]
     joints = {r.get("graph_id") for r in state.reshard}
     for record in records:
         if record["graph"] != "joint":

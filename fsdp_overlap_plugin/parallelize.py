@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import accelerators, hf
-from .compile import _STATE_ATTR, OverlapState, compile_model, model_fingerprint
+from .compile import _STATE_ATTR, OverlapState, compile_model, local_layout, model_fingerprint
 from .config import OverlapConfig, OverlapConfigError
 from .passes.plan_index import BucketIndex
 from .plan import resolve_plan
@@ -102,11 +102,12 @@ def parallelize(
     if config.compile:
         state.adjustments.extend(hf.prepare_for_compile(model))
         shard_parameters(model, mesh, config)
+        state.local_layout = local_layout(model)
         if _separate_gather_group(config, device_type):
             state.gather_group = build_gather_group(mesh)
         compile_model(model, state)
     else:
-        fully_shard_plan(model, mesh, plan, config)
+        fully_shard_plan(model, mesh, plan, config, notes=state.adjustments)
     setattr(model, _STATE_ATTR, state)
     return model
 
