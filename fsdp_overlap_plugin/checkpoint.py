@@ -68,7 +68,7 @@ def save(
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer)
     else:
-        model_state, optim_state = get_state_dict(model, []), {}
+        model_state, optim_state = get_state_dict(model, [])
     state = {"model": model_state, "optim": optim_state, "meta": {"step": step, "extra": json.dumps(extra or {})}}
     dcp.save(state, checkpoint_id=str(partial))  # ends with every rank's files written
     _barrier()
@@ -100,7 +100,7 @@ def load_latest(directory: str | Path, model: nn.Module, optimizer: Any = None) 
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer)
     else:
-        model_state, optim_state = get_state_dict(model, []), {}
+        model_state, optim_state = get_state_dict(model, [])
     state = {"model": model_state, "optim": optim_state, "meta": {"step": 0, "extra": ""}}
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:

@@ -42,6 +42,15 @@ def _describe(node: fx.Node) -> str:
     if node.op in ("call_function", "call_method"):
         target = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
     val = node.meta.get("example_value", node.meta.get("val"))
+    if node.op == "call_method" and target == "to_local" and node.args:
+        # a shard's local shape depends on the rank when shards are uneven (the HSDP
+        # gather reads the shard itself): describe the DTensor, the same on every rank
+        from torch.distributed.tensor import DTensor
+
+        source = getattr(node.args[0], "meta", {}).get("example_value")
+        if isinstance(source, DTensor):
+            dtype = str(source.dtype).replace("torch.", "")
+            return f"{node.op} {target} of {tuple(source.shape)} {dtype} {source.placements}"
     shape = ""
     if isinstance(val, torch.Tensor):
         shape = f" {tuple(val.shape)} {str(val.dtype).replace('torch.', '')}"

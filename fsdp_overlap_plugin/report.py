@@ -170,6 +170,8 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
     graphs, and inference graphs compiled under ``no_grad``), each with its collective
     counts before and after the passes, what each pass returned, the schedule, ``label``
     ("forward 2 of 3") and ``from_cache`` when an FX graph cache hit loaded it.
+    ``report["compile_cache"]``: per Dynamo graph (inductor backend), what AOT autograd's
+    and inductor's FX graph caches did, from inductor's own counters.
     ``report["forward"]`` / ``report["backward"]``: the training graph of that kind when
     there is one, or the totals over all of them (``graphs: n``) when graph breaks made
     several; None before the first step.
@@ -202,6 +204,7 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
         "adjustments": list(state.adjustments),
         "config": config.to_dict(),
         "graphs": graphs,
+        "compile_cache": list(state.compile_cache),
     }
     for kind in _KINDS:
         training = [r for r in graphs if r["graph"] == kind and not r.get("inference")]
@@ -220,6 +223,7 @@ def reshard_total(graphs: list[dict]) -> dict:
         "resharded": sum(g.get("resharded", 0) for g in graphs),
         "kept_gathered": sum(g.get("kept_gathered", 0) for g in graphs),
         "kept_bucket": "; ".join(dict.fromkeys(kept)) or None,
+        "tied": [t for g in graphs for t in g.get("tied") or []],
         "graphs": len(graphs),
         "from_cache": all(g.get("from_cache") for g in graphs),
     }
@@ -285,6 +289,7 @@ SUMMARY_STATS = {
     ),
     "overlap_grad_reduce": ("matched", "launches_advanced", "waits_sunk"),
     "all_to_all": ("rewritten",),
+    "tied": ("merged", "params", "left"),
     "pin_order": ("dependencies",),
 }
 
@@ -307,6 +312,18 @@ def _arrow(record: dict | None, key: str) -> str:
     return f"{record['before'].get(key, 0)} -> {record['after'].get(key, 0)}"
 
 
+def _cache_summary(cache: list[dict]) -> str:
+    """One line for ``report["compile_cache"]``: "2 of 2 Dynamo graphs loaded from the
+    cache (AOT autograd hit, FX graph hits 2)"."""
+    hits = [c for c in cache if c["aot_autograd"] == "hit" or (c["fx_graph"]["hit"] and not c["fx_graph"]["miss"])]
+    aot = sorted({c["aot_autograd"] or "off" for c in cache})
+    fx = {k: sum(c["fx_graph"][k] for c in cache) for k in ("hit", "miss", "bypass")}
+    return (
+        f"{len(hits)} of {len(cache)} Dynamo graphs loaded from the cache (AOT autograd {'/'.join(aot)}; "
+        f"FX graph hits {fx['hit']}, misses {fx['miss']}, bypasses {fx['bypass']})"
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A short human-readable summary of ``schedule_report``."""
     lines = []
@@ -325,7 +342,11 @@ def format_report(report: dict[str, Any]) -> str:
     )
 
     def row(label: str, record: dict) -> str:
-        notes = [summarize_pass(name, stats) for name, stats in record.get("passes", {}).items()]
+        notes = [
+            summarize_pass(name, stats)
+            for name, stats in record.get("passes", {}).items()
+            if not (name == "tied" and not stats.get("merged") and not stats.get("left"))  # no tied parameter
+        ]
         if record.get("from_cache"):
             notes.append("[from FX graph cache]")
         return (
@@ -337,7 +358,10 @@ def format_report(report: dict[str, Any]) -> str:
     for kind in _KINDS:
         record = report.get(kind)
         if record is None:
-            lines.append(f"  {kind:<{width}} (not compiled yet)")
+            lines.append(
+                f"  {kind:<{width}} "
+                + ("(eager: no compiled graph)" if report["mode"] != "compiled" else "(not compiled yet)")
+            )
             continue
         several = [g for g in graphs if g["graph"] == kind and not g.get("inference")]
         if len(several) > 1:
@@ -352,6 +376,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"  predicted {kind} (cost model, {report['device_type']} rates): exposed communication "
             f"{b['exposed_comm_s'] * 1e3:.1f} -> {a['exposed_comm_s'] * 1e3:.1f} ms of {a['comm_s'] * 1e3:.1f} ms"
         )
+    cache = report.get("compile_cache") or []
+    if cache:
+        lines.append("  compile cache: " + _cache_summary(cache))
     reshard = report.get("reshard") or {}
     if reshard:
         lines.append(
@@ -359,6 +386,15 @@ def format_report(report: dict[str, Any]) -> str:
             f"{reshard.get('kept_gathered', 0)} kept"
             + (f" ({reshard['kept_bucket']})" if reshard.get("kept_bucket") else "")
         )
+        for t in reshard.get("tied") or []:
+            lines.append(
+                f"  tied parameter {t['param']}: {t['reads']} reads, gathered once in the forward, "
+                + (
+                    "kept gathered for the backward (a read is in the kept bucket)"
+                    if t["kept"]
+                    else "re-gathered once in the backward"
+                )
+            )
     if report.get("unbucketed_params"):
         lines.append(f"  parameters in no bucket (gathered one by one): {', '.join(report['unbucketed_params'])}")
     for note in report.get("adjustments") or []:

@@ -112,6 +112,7 @@ class _Gather:
         self.reduce_dtype = reduce_dtype
         self.compute = tuple(Replicate() for _ in range(mesh.ndim))
         self.grad = tuple(Partial("avg") for _ in range(mesh.ndim))
+        self.shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
 
     def __call__(self, param: torch.Tensor, fqn: str | None = None) -> torch.Tensor:
         if not _GATHER_ENABLED or not isinstance(param, DTensor):
@@ -125,12 +126,37 @@ class _Gather:
         return self._gather(param)
 
     def _gather(self, param: DTensor) -> torch.Tensor:
+        if self.mesh.ndim == 2 and param.dim() > 0:
+            return self._gather_hsdp(param)
         full = param.redistribute(
             placements=self.compute,
             forward_dtype=self.param_dtype,
             backward_dtype=self.reduce_dtype,
         )
         return full.to_local(grad_placements=self.grad)
+
+    def _gather_hsdp(self, param: DTensor) -> torch.Tensor:
+        """HSDP, FSDP2's order: the backward reduce-scatters over the shard group first,
+        then all-reduces the reduced *shard* over the replicas. (One redistribute from
+        ``(Partial, Partial)`` to ``(Replicate, Shard(0))`` all-reduces the full gradient
+        first: the whole parameter's bytes over the replica link, once per parameter.)
+
+        Forward: the local shard, as a 1-D DTensor on the shard group, all-gathered there.
+        Backward, in reverse: reduce-scatter (avg) on the shard group; the shard's gradient
+        enters the 2-D mesh as ``(Partial("avg"), Shard(0))``, and ``from_local``'s
+        backward brings it to the parameter's ``(Replicate(), Shard(0))``: an all-reduce
+        of the shard across replicas."""
+        replicated = DTensor.from_local(
+            param.to_local(), self.mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+        local = replicated.to_local(grad_placements=(Partial("avg"), Shard(0)))
+        shard = DTensor.from_local(
+            local, self.shard_mesh, (Shard(0),), run_check=False, shape=param.shape, stride=param.stride()
+        )
+        full = shard.redistribute(
+            placements=(Replicate(),), forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype
+        )
+        return full.to_local(grad_placements=(Partial("avg"),))
 
 
 @functools.cache
@@ -301,16 +327,28 @@ def apply_activation_checkpointing(model: nn.Module, fqns: list[str]) -> list[st
     return fqns
 
 
-def fully_shard_plan(model: nn.Module, mesh: DeviceMesh, plan: list[list[str]], config: OverlapConfig) -> nn.Module:
+def fully_shard_plan(
+    model: nn.Module, mesh: DeviceMesh, plan: list[list[str]], config: OverlapConfig, notes: list[str] | None = None
+) -> nn.Module:
     """The eager fallback (``compile: false``): FSDP2 ``fully_shard`` per plan entry, then
-    the root. Same parameter layout as the compiled path, no passes."""
+    the root. Same parameter layout as the compiled path, no passes.
+
+    FSDP2 manages each parameter in exactly one group, so plan entries whose modules
+    share a parameter (tied embeddings: ``lm_head.weight is embed_tokens.weight``) become
+    one ``fully_shard`` group over all their modules; ``notes`` gets one line per such
+    merge (the report shows it under "adjusted")."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=config.torch_param_dtype, reduce_dtype=config.torch_reduce_dtype)
-    for entry in plan:
-        modules = [model.get_submodule(fqn) for fqn in entry]
+    for entries, shared in _groups_sharing_parameters(model, plan):
+        modules = [model.get_submodule(fqn) for i in entries for fqn in plan[i]]
         if not any(True for m in modules for _ in m.parameters()):
             continue
+        if len(entries) > 1 and notes is not None:
+            notes.append(
+                f"compile: false: bucket_plans entries {', '.join(f'{i} {plan[i]}' for i in entries)} share "
+                f"{', '.join(shared)}; FSDP2 manages a parameter in one group only, so they are one fully_shard group"
+            )
         fully_shard(
             modules if len(modules) > 1 else modules[0],
             mesh=mesh,
@@ -319,3 +357,40 @@ def fully_shard_plan(model: nn.Module, mesh: DeviceMesh, plan: list[list[str]], 
         )
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def _groups_sharing_parameters(model: nn.Module, plan: list[list[str]]) -> list[tuple[list[int], list[str]]]:
+    """The plan entries as ``fully_shard`` groups, in plan order: entries whose modules'
+    subtrees hold one parameter object are joined (with the parameter names that join
+    them); every other entry is a group of its own."""
+    holders: dict[int, set[int]] = {}  # id(parameter) -> plan entries holding it
+    names: dict[int, list[str]] = {}
+    for i, entry in enumerate(plan):
+        for fqn in entry:
+            for name, param in model.get_submodule(fqn).named_parameters(prefix=fqn, remove_duplicate=False):
+                holders.setdefault(id(param), set()).add(i)
+                names.setdefault(id(param), []).append(name)
+    parent = list(range(len(plan)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for entries in holders.values():
+        first, *rest = sorted(entries)
+        for other in rest:
+            parent[root(other)] = root(first)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(plan)):
+        groups.setdefault(root(i), []).append(i)
+    out = []
+    for entries in groups.values():
+        shared = [
+            " = ".join(dict.fromkeys(names[key]))
+            for key, held in holders.items()
+            if len(held) > 1 and held <= set(entries)
+        ]
+        out.append((entries, shared))
+    return out

@@ -1,6 +1,7 @@
 """Compiler passes: pure FX -> FX functions. No process-group calls, no tensor values.
 
 * ``annotate_reshard``      joint graph: reshard-after-forward recompute tags per bucket
+* ``merge_tied_reductions``  backward: one gradient reduction per tied parameter
 * ``manual_bucketing``      merge each plan entry's collectives, prefetch one bucket ahead
 * ``overlap_grad_reduce``   launch gradient reduce-scatters early, sink their waits
 * ``use_gather_group``      run FSDP all-gathers on their own process group
@@ -13,10 +14,12 @@ from .bucketing import manual_bucketing, use_gather_group
 from .grad_overlap import overlap_grad_reduce
 from .pin import pin_collective_order
 from .reshard import annotate_reshard
+from .tied import merge_tied_reductions
 
 __all__ = [
     "annotate_reshard",
     "manual_bucketing",
+    "merge_tied_reductions",
     "overlap_grad_reduce",
     "pin_collective_order",
     "reduce_scatter_as_all_to_all",

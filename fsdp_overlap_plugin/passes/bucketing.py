@@ -31,19 +31,26 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 import torch.fx as fx
 
 from ..plan import check_disjoint
 from .graph import (
+    C10D,
+    data_users,
     dynamo_module_path,
+    group_name,
     is_all_gather,
+    is_all_reduce,
     is_fsdp_all_gather,
     is_fsdp_reduce_scatter,
     is_preparation_op,
     is_reduce_scatter,
+    is_selection,
     is_view,
     is_wait,
     merge_duplicate_waits,
+    node_args,
     owner_module,
     param_fqn,
     wait_of,
@@ -159,6 +166,9 @@ def manual_bucketing(
     stats["gathers_first"] = _gathers_before_scatters(gather_units, pos)
     if reordered:
         repair_order(graph)
+    # HSDP: each member's reduced shard is then all-reduced across replicas; one
+    # all-reduce of the bucket's whole reduce-scatter result replaces them
+    stats["merged_all_reduces"] = sum(_merge_replica_all_reduces(graph, u) for u in scatter_units)
     if insert_overlap_deps and deps:
         _insert_deps(graph, deps)
     if recompile:
@@ -210,6 +220,57 @@ def left_unbucketed(graph: fx.Graph, index: BucketIndex) -> list[dict]:
         )
         group["count"] += 1
     return list(groups.values())
+
+
+def _all_reduce_of(node: fx.Node) -> fx.Node | None:
+    """The all-reduce that ``node`` reaches through single-user views and copies, if any."""
+    cur = node
+    for _ in range(16):
+        users = data_users(cur)
+        if len(users) != 1:
+            return None
+        user = users[0]
+        if is_all_reduce(user):
+            return user if wait_of(user) is not None else None
+        if not is_selection(user):
+            return None
+        cur = user
+    return None
+
+
+def _merge_replica_all_reduces(graph: fx.Graph, unit: _Unit) -> int:
+    """One all-reduce of a merged reduce-scatter's result instead of one per member.
+
+    ``wait -> split -> piece_i -> (views) -> all_reduce_i -> wait_i`` becomes
+    ``wait -> all_reduce -> wait' -> split -> piece_i -> (views)``: the all-reduce is
+    elementwise, so reducing the whole bucket and then selecting each member's part
+    gives exactly the same values. Returns 1 if it merged, else 0 (a member without its
+    own all-reduce, or all-reduces over different groups or ops: left as they are)."""
+    wait = unit.wait
+    splits = [u for u in wait.users if u.target is torch.ops.aten.split_with_sizes.default]
+    if not is_reduce_scatter(unit.start) or len(splits) != 1 or len(wait.users) != 1:
+        return 0
+    split = splits[0]
+    reduces = [_all_reduce_of(piece) for piece in split.users]
+    if len(reduces) < 2 or any(r is None for r in reduces):
+        return 0
+    if len({(node_args(r)[1], group_name(r)) for r in reduces}) != 1:
+        return 0
+    op, group = node_args(reduces[0])[1:3]
+    with graph.inserting_after(wait):
+        reduce = graph.call_function(C10D.all_reduce.default, (wait, op, group))
+    with graph.inserting_after(reduce):
+        reduced = graph.call_function(C10D.wait_tensor.default, (reduce,))
+    for node in (reduce, reduced):
+        node.meta.update({k: v for k, v in wait.meta.items() if k in ("val", "tensor_meta", "custom", "stack_trace")})
+        node.meta["fsdp_overlap_bucket"] = unit.bucket
+    split.replace_input_with(wait, reduced)
+    for old in reduces:
+        old_wait = wait_of(old)
+        old_wait.replace_all_uses_with(node_args(old)[0])
+        graph.erase_node(old_wait)
+        graph.erase_node(old)
+    return 1
 
 
 def _merge(graph, groups, merge_fn, fake_mode, retired, stats, counter) -> list[_Unit]:

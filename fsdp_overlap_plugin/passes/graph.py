@@ -189,6 +189,16 @@ def is_view(node: fx.Node) -> bool:
     return False
 
 
+# Copies that keep every element where it is (a view does too, without copying).
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.contiguous.default, torch.ops.aten._unsafe_view.default)
+
+
+def is_selection(node: fx.Node) -> bool:
+    """A view or a copy of its input: it only selects elements, so an elementwise
+    collective (all-reduce, the sum inside a reduce-scatter) commutes with it."""
+    return node.op == "call_function" and (is_view(node) or node.target in _COPIES)
+
+
 _PREPARATION_OPS = {
     torch.ops.aten.cat.default,
     torch.ops.aten.constant_pad_nd.default,

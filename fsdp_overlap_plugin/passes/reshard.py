@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph import is_fsdp_all_gather, is_view, owner_module, wait_of
+from .graph import is_fsdp_all_gather, is_preparation_op, is_view, owner_module, param_fqn, wait_of
 from .plan_index import BucketIndex
 
 __all__ = ["annotate_reshard"]
@@ -62,6 +62,21 @@ def _gather_chain(ag: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def _shard_of(ag: fx.Node) -> fx.Node:
+    """What an all-gather gathers, before its dtype cast and padding (a rank whose
+    shard is shorter pads it to the longest): the same node for every read of one
+    parameter, on every rank."""
+    source = ag.args[0]
+    while (
+        isinstance(source, fx.Node)
+        and source.op == "call_function"
+        and (source.target in _CASTS or is_preparation_op(source) or is_view(source))
+        and len(source.all_input_nodes) == 1
+    ):
+        source = source.all_input_nodes[0]
+    return source if isinstance(source, fx.Node) else ag
+
+
 def annotate_reshard(
     gm: fx.GraphModule,
     buckets: list[list[str]],
@@ -83,22 +98,34 @@ def annotate_reshard(
     kept_key = None
     if reshard_after_forward and not reshard_last_bucket and gathers and keepable in (None, keys[-1]):
         kept_key = keys[-1]
-    resharded = kept = 0
+    # A tied parameter is gathered once per read here; the partitioner's CSE later merges
+    # the gathers into one, which keeps the first one's tag. So one decision per
+    # parameter (per shard it gathers): kept if any read is in the kept bucket (the
+    # gathered weight is alive at the end of the forward anyway), and counted once.
+    reads: dict[fx.Node, list[tuple[fx.Node, object]]] = {}
     for node, key in zip(gathers, keys):
-        reshard = reshard_after_forward and key != kept_key
+        reads.setdefault(_shard_of(node), []).append((node, key))
+    resharded = kept = 0
+    tied = []
+    for shard, group in reads.items():
+        reshard = reshard_after_forward and all(key != kept_key for _, key in group)
         policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
-        for member in _gather_chain(node):
-            member.meta["recompute"] = policy
-            member.meta["ac_graph_id"] = _AC_GRAPH_ID
+        for node, _ in group:
+            for member in _gather_chain(node):
+                member.meta["recompute"] = policy
+                member.meta["ac_graph_id"] = _AC_GRAPH_ID
         if reshard:
             resharded += 1
         else:
             kept += 1
+        if len(group) > 1:
+            tied.append({"param": param_fqn(group[0][0]) or shard.name, "reads": len(group), "kept": not reshard})
     stats = {
-        "all_gathers": len(gathers),
+        "all_gathers": len(reads),
         "resharded": resharded,
         "kept_gathered": kept,
         "kept_bucket": index.describe(kept_key) if kept_key is not None else None,
+        "tied": tied,
     }
     gm.meta.setdefault("fsdp_overlap", {})["reshard"] = stats
     return stats
