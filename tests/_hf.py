@@ -85,16 +85,15 @@ def loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 def expected_collectives(model: torch.nn.Module, plan: list[list[str]]) -> tuple[int, int]:
     """``(forward all-gathers, backward reduce-scatters)`` the passes must leave, read from
-    the plan: one reduce-scatter per entry owning parameters (a tied parameter's gradient is
-    reduce-scattered per use, so each entry that uses it gets its own), but one forward
-    all-gather only per entry holding a parameter no earlier entry holds (AOT autograd
-    merges the two identical gathers of a tied weight into the first, so an entry holding
-    only the tied ``lm_head.weight`` gathers nothing of its own)."""
+    the plan: one of each per entry holding a parameter no earlier entry holds. A tied
+    weight is one gather (AOT autograd merges its reads' identical gathers into the first)
+    and one reduce-scatter (the passes sum its uses' gradients first), both in the first
+    entry holding it, so an entry holding only the tied ``lm_head.weight`` moves nothing
+    of its own."""
     seen: set[int] = set()
-    forward = backward = 0
+    count = 0
     for entry in plan:
         params = {id(p) for fqn in entry for p in model.get_submodule(fqn).parameters()}
-        backward += bool(params)
-        forward += bool(params - seen)
+        count += bool(params - seen)
         seen |= params
-    return forward, backward
+    return count, count

@@ -222,14 +222,16 @@ def test_on_unbucketed_is_validated():
 
 # ------------------------------------------ collectives AOT autograd merged or summed
 def test_tied_weights_reduce_scatters_are_bucketed():
-    """A tied parameter is reduce-scattered once per use and the results added: each
-    reduce-scatter belongs to the entry that read it (0.1 did not recognise them)."""
+    """A tied parameter is reduce-scattered once per use and the results added (0.1 did not
+    recognise them); the passes sum the uses' gradients first and reduce-scatter once, in
+    the bucket of the forward's first read (tok_emb's entry)."""
     with fake_world(2):
         torch.manual_seed(0)
         model = fo.parallelize(gpt_small(tie_weights=True, vocab_size=255), backend="aot_eager", bucket_plans=PLAN)
         _step(model)
         backward = fo.schedule_report(model)["backward"]
     assert backward["before"]["reduce_scatter"] == 53  # one per parameter read: the tied one twice
+    assert backward["passes"]["tied"]["merged"] == 1
     assert backward["after"]["reduce_scatter"] == 6
     assert backward["passes"]["overlap_grad_reduce"]["matched"] == 6
 

@@ -159,13 +159,16 @@ def test_auto_plan_buckets_the_transformers_model(results):
             assert report[kind][when] == r["core"]["report"][kind][when], (kind, when)
 
 
-def test_entry_holding_only_the_tied_head_has_no_forward_gather_of_its_own(results):
+def test_entry_holding_only_the_tied_head_moves_nothing_of_its_own(results):
+    """lm_head.weight is embed_tokens.weight: one gather and one reduce-scatter (of the
+    summed gradients of both reads), both in the embedding's entry."""
     r = results[0]
     report = r["tied_head"]["report"]
     layers = [["model.layers.0"], ["model.layers.1"]]
     assert report["plan"] == [["model.embed_tokens"], *layers, ["model.norm"], ["lm_head"]]
     forward, backward = r["tied_head"]["expected"]
-    assert (forward, backward) == (4, 5)  # lm_head.weight is embed_tokens.weight
+    assert (forward, backward) == (4, 4)  # five entries, the last holding only the tied weight
+    assert report["backward"]["passes"]["tied"]["merged"] == 1
     assert report["forward"]["after"]["all_gather"] == forward
     assert report["backward"]["after"]["reduce_scatter"] == backward
     _assert_passes_did_something(report, r)

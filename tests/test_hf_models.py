@@ -1,7 +1,9 @@
 """Hugging Face transformers models (built from a config), 2 gloo ranks, the default config.
 
 For each family of ``tests/_hf.py``: the sharded model trains like one process (aot_eager:
-bitwise equal with the passes on and off, and within 1e-5 of the single-process run;
+bitwise equal with the passes on and off where no weight is tied (a tied weight's
+gradients are summed before its one reduce-scatter with the passes on, after its two
+without them: equal within 1e-6), and within 1e-5 of the single-process run;
 inductor within 1e-4), and the passes really act: one forward all-gather and one backward
 reduce-scatter per plan entry, where the graphs hold one per parameter before. In 0.1 every
 one of these models came out of the passes unchanged (``29 -> 29``), silently.
@@ -25,6 +27,7 @@ import fsdp_overlap_plugin as fo
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+TIED = ("llama", "gpt2")  # the families of tests/_hf.py whose lm_head shares the embedding
 BATCH = 4  # global; each of the 2 ranks takes half
 LR = 0.5
 
@@ -105,9 +108,17 @@ def test_aot_eager_families_bitwise_equal_with_passes_on_and_off_and_bucketed():
     results = run_ranks(_families, _hf.FAMILIES, "aot_eager", variants, world=2)[0]
     for family, result in results.items():
         off, on = result["off"], result["on"]
-        assert on["losses"] == off["losses"], family  # bitwise: the passes change when, not what
-        for key, value in off["params"].items():
-            assert torch.equal(on["params"][key], value), (family, key)
+        merged = on["report"]["backward"]["passes"]["tied"]["merged"]
+        assert merged == (1 if family in TIED else 0), (family, on["report"]["backward"]["passes"]["tied"])
+        if family in TIED:  # the sum moved before the reduction: rounding, nothing more
+            for a, b in zip(on["losses"], off["losses"]):
+                assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6), (family, on["losses"], off["losses"])
+            for key, value in off["params"].items():
+                torch.testing.assert_close(on["params"][key], value, rtol=1e-6, atol=1e-6, msg=f"{family} {key}")
+        else:
+            assert on["losses"] == off["losses"], family  # bitwise: the passes change when, not what
+            for key, value in off["params"].items():
+                assert torch.equal(on["params"][key], value), (family, key)
         _check_close(family, result, "on", rtol=1e-5)
         _check_counts(family, on)
     # GPT-2 has no loss_type: transformers' fallback warning would be a graph break

@@ -1,0 +1,212 @@
+"""The second run of a job, on a warm compile cache, with uneven shards.
+
+A vocabulary of 97 on 2 ranks gives 49- and 48-row shards (33/33/31 on 3 ranks). Every
+rank traces the same Dynamo graph (DTensor inputs carry global shapes) but compiles
+different code; AOT autograd keys its cache on the traced graph, so until the passes'
+``uuid()`` carried each rank's local shard shapes (``OverlapState.cache_key``) a warm
+cache handed rank 0 the code rank 1 had compiled and the second run died with
+``AssertionError: expected size 48==49``. Each test here runs a job twice against one
+cache directory, in fresh processes: the second run must be a cache hit (inductor's own
+counters, reported as ``schedule_report(model)["compile_cache"]``) with the same losses
+and parameters, bit for bit, as the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import _accelerate
+import _hf
+import pytest
+import torch
+from _dist import run_ranks
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 97  # uneven shards on 2 and 3 ranks
+GLOBAL_BATCH = 6  # divisible by 2 and 3
+STEPS = 3
+LR = 0.5
+MODEL = dict(n_layer=2, d_model=32, n_head=4, vocab_size=VOCAB, block_size=32)
+
+
+def _model():
+    from fsdp_overlap_plugin.models import gpt_small
+
+    torch.manual_seed(0)
+    return gpt_small(**MODEL)
+
+
+def _batches():
+    from fsdp_overlap_plugin.models import fixed_batches
+
+    return fixed_batches(STEPS, GLOBAL_BATCH, 16, VOCAB)
+
+
+def _train(rank: int, world: int, backend: str) -> dict:
+    import torch.distributed as dist
+    from _train import full_params
+
+    import fsdp_overlap_plugin as fo
+    from fsdp_overlap_plugin.models import loss_fn
+
+    model = fo.parallelize(_model(), backend=backend)
+    shards = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    per = GLOBAL_BATCH // world
+    mine = slice(rank * per, (rank + 1) * per)
+    losses = []
+    for x, y in _batches():
+        loss = loss_fn(model(x[mine]), y[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    report = fo.schedule_report(model)
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "shards": shards,
+        "compile_cache": report["compile_cache"],
+        "from_cache": [g.get("from_cache", False) for g in report["graphs"]],
+        "text": fo.format_report(report),
+    }
+
+
+def _reference() -> list[float]:
+    from fsdp_overlap_plugin.models import loss_fn
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _run_twice(cache: str, backend: str, world: int) -> tuple[list[dict], list[dict]]:
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    cold = run_ranks(_train, backend, world=world, env=env)
+    warm = run_ranks(_train, backend, world=world, env=env)
+    return cold, warm
+
+
+def _assert_same_training(cold: list[dict], warm: list[dict]) -> None:
+    for rank, (a, b) in enumerate(zip(cold, warm)):
+        assert b["losses"] == a["losses"], (rank, a["losses"], b["losses"])  # bitwise
+        for name, value in a["params"].items():
+            assert torch.equal(b["params"][name], value), (rank, name)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inductor_second_run_is_a_cache_hit_with_the_same_numbers(tmp_path, world):
+    cold, warm = _run_twice(str(tmp_path / "cache"), "inductor", world)
+    # the shards really are uneven: the ranks' embedding shards differ in rows
+    rows = [r["shards"]["tok_emb.weight"][0] for r in cold]
+    assert sum(rows) == VOCAB and len(set(rows)) == 2, rows
+    for rank in range(world):
+        first, second = cold[rank]["compile_cache"], warm[rank]["compile_cache"]
+        assert [c["aot_autograd"] for c in first] == ["miss"], first
+        assert all(c["fx_graph"]["miss"] > 0 for c in first), first
+        # the second run compiled nothing: AOT autograd's cache hit, inductor loaded both graphs
+        assert [c["aot_autograd"] for c in second] == ["hit"], (rank, second)
+        assert all(c["fx_graph"] == {"hit": 2, "miss": 0, "bypass": 0} for c in second), (rank, second)
+        assert cold[rank]["from_cache"] == [False, False] and warm[rank]["from_cache"] == [True, True]
+        assert "compile cache: 1 of 1 Dynamo graphs loaded from the cache (AOT autograd hit" in warm[rank]["text"]
+    _assert_same_training(cold, warm)
+    reference = _reference()
+    for got, want in zip(cold[0]["losses"], reference):
+        assert abs(got - want) < 1e-4, (cold[0]["losses"], reference)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_aot_eager_runs_twice_against_one_cache_with_the_same_numbers(tmp_path, world):
+    """aot_eager compiles nothing to disk: no compile cache is consulted (the report says
+    so by listing none), and the two runs are bitwise equal and equal to 1 process."""
+    cold, warm = _run_twice(str(tmp_path / "cache"), "aot_eager", world)
+    assert all(r["compile_cache"] == [] for r in cold + warm)
+    _assert_same_training(cold, warm)
+    reference = _reference()
+    for got, want in zip(cold[0]["losses"], reference):
+        assert abs(got - want) < 1e-5, (cold[0]["losses"], reference)
+
+
+def _cache_env(cache: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    env.update(TORCHINDUCTOR_AUTOGRAD_CACHE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_accelerate.ROOT), env.get("PYTHONPATH", "")) if p)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "FSDP_OVERLAP_CONFIG"):
+        env.pop(name, None)
+    return env
+
+
+def _assert_report_hit(cold: dict, warm: dict) -> None:
+    first, second = cold["report"]["compile_cache"], warm["report"]["compile_cache"]
+    assert first and all(c["aot_autograd"] == "miss" for c in first), first
+    assert all(c["aot_autograd"] == "hit" and c["fx_graph"]["miss"] == 0 for c in second), second
+    assert all(g.get("from_cache") for g in warm["report"]["graphs"]), warm["report"]["graphs"]
+
+
+def test_lightning_trainer_second_run_is_a_cache_hit(tmp_path):
+    """examples/hf_lightning.py (Trainer, strategy fsdp_overlap, bf16-mixed, inductor) on a
+    tied Llama with vocabulary 97, twice against one cache."""
+    config_json = tmp_path / "config.json"
+    _hf.config("llama").to_json_file(config_json)
+    env = _cache_env(str(tmp_path / "cache"))
+    runs = []
+    for n in range(2):
+        metrics = tmp_path / f"metrics{n}.json"
+        cmd = [sys.executable, "examples/hf_lightning.py", "--config-json", str(config_json), "--steps", "3"]
+        proc = subprocess.run(
+            [*cmd, "--metrics", str(metrics)],
+            cwd=_accelerate.ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        runs.append(json.loads(metrics.read_text()))
+    cold, warm = runs
+    assert cold["report"]["backend"] == "inductor"
+    _assert_report_hit(cold, warm)
+    assert warm["rank_losses"] == cold["rank_losses"]  # bitwise, on every rank
+
+
+def test_accelerate_launch_second_run_is_a_cache_hit(tmp_path, monkeypatch):
+    """accelerate launch examples/hf_accelerate.py (inductor) on GPT-2 with vocabulary 97,
+    twice against one cache."""
+    config_json = tmp_path / "config.json"
+    _hf.config("gpt2").to_json_file(config_json)
+    yaml_path = _accelerate.copy_yaml(tmp_path / "hf.yaml", fsdp_overlap_backend="inductor")
+    for name, value in _cache_env(str(tmp_path / "cache")).items():
+        if name.startswith("TORCHINDUCTOR_"):
+            monkeypatch.setenv(name, value)
+    runs = []
+    for n in range(2):
+        metrics = tmp_path / f"metrics{n}.json"
+        proc = _accelerate.accelerate_launch(
+            yaml_path,
+            "--config-json",
+            str(config_json),
+            "--steps",
+            "3",
+            "--metrics",
+            str(metrics),
+            script=_accelerate.ROOT / "examples" / "hf_accelerate.py",
+        )
+        assert proc.returncode == 0, _accelerate.output(proc)[-6000:]
+        runs.append(json.loads(metrics.read_text()))
+    cold, warm = runs
+    assert cold["report"]["backend"] == "inductor"
+    _assert_report_hit(cold, warm)
+    assert warm["losses"] == cold["losses"]  # bitwise
