@@ -3,16 +3,19 @@
 Each rank is a spawned process with one intra-op thread (the CI machine has two
 cores), a TCP store on a free loopback port, and a timeout so a hang fails the test
 instead of the CI job. A rank that dies in native code is named with its Python
-stacks, and the run is repeated once with a warning (see ``run_ranks``).
+stacks; the run is repeated once with a warning, and counted, unless the crashing
+thread was running this package's code (see ``run_ranks``).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import io
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import socket
 import tempfile
@@ -37,6 +40,20 @@ class NativeCrash(AssertionError):
     """A rank died by a signal, in native code, and could report nothing itself."""
 
 
+# Every rerun after a native crash in this process, as "test id (function)"; the
+# terminal summary (conftest.py) prints them. Where RERUN_LOG_ENV names a file, each
+# is also appended there, for .ci/run to print after the whole suite.
+reruns: list[str] = []
+RERUN_LOG_ENV = "FSDP_OVERLAP_RERUN_LOG"
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
 def _died(exitcode: int | None, crash_log: str) -> str:
     """How a process that never reported ended, in words, with the Python stack of
     every thread at the crash (written by faulthandler) when there is one."""
@@ -45,10 +62,47 @@ def _died(exitcode: int | None, crash_log: str) -> str:
     if exitcode >= 0:
         return f"exited with code {exitcode}"
     text = f"killed by {signal.Signals(-exitcode).name}"
-    if os.path.exists(crash_log) and os.path.getsize(crash_log):
-        with open(crash_log) as f:
-            text += " in native code; Python stacks at the crash:\n" + f.read()[-6000:]
+    if log := _read(crash_log):
+        text += " in native code; Python stacks at the crash:\n" + log[-6000:]
     return text
+
+
+def crashing_thread_stack(crash_log: str) -> list[str]:
+    """The frames faulthandler listed for the thread the fatal signal hit (its
+    "Current thread ..." block, most recent call first); empty when no block is marked
+    current.
+
+    faulthandler's handler runs in the thread that faulted (SIGSEGV, SIGBUS, SIGILL and
+    SIGFPE are delivered to the faulting thread, abort() signals its own thread) and
+    marks as current the Python thread state of *that* thread. A native thread with no
+    Python state, such as gloo's ``pt_gloo_runloop`` workers, has none, so every
+    thread, the main one included, is then listed as a plain "Thread ..." block.
+    """
+    lines = crash_log.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Current thread ")]
+    if not starts:
+        return []
+    frames = []
+    for line in lines[starts[-1] + 1 :]:
+        if not line.startswith("  "):
+            break
+        frames.append(line.strip())
+    return frames
+
+
+_FRAME_FILE = re.compile(r'^File "(.*)", line \d+ in ')
+
+
+def _package_dir() -> str:
+    spec = importlib.util.find_spec("fsdp_overlap_plugin")  # found, not imported
+    assert spec is not None and spec.submodule_search_locations, "fsdp_overlap_plugin is not importable"
+    return os.path.realpath(list(spec.submodule_search_locations)[0])
+
+
+def package_frames(frames: list[str]) -> list[str]:
+    """The frames whose file lies inside the fsdp_overlap_plugin package."""
+    package = _package_dir() + os.sep
+    return [f for f in frames if (m := _FRAME_FILE.match(f)) and os.path.realpath(m.group(1)).startswith(package)]
 
 
 def _worker(
@@ -142,7 +196,23 @@ def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | 
                 f"--- rank {r} ---\n{_died(code, os.path.join(crash_dir, f'rank{r}.txt'))}"
                 for r, code in silent.items()
             ]
-            crashed = any(code is not None and -code in NATIVE_CRASHES for code in silent.values())
+            crashed = [r for r, code in silent.items() if code is not None and -code in NATIVE_CRASHES]
+            ours = {}
+            for r in crashed:
+                stack = crashing_thread_stack(_read(os.path.join(crash_dir, f"rank{r}.txt")))
+                if package_frames(stack):
+                    ours[r] = stack
+            if ours:
+                # a crash on a thread that was running our code is ours to fix: never rerun
+                raise AssertionError(
+                    "a rank crashed in native code while the crashing thread ran fsdp_overlap_plugin code "
+                    "(not rerun):\n"
+                    + "".join(
+                        f"--- rank {r}: the crashing thread's stack ---\n" + "\n".join(stack) + "\n"
+                        for r, stack in ours.items()
+                    )
+                    + "\n".join(errors)
+                )
             raise (NativeCrash if crashed else AssertionError)("a rank failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world)]
 
@@ -156,16 +226,28 @@ def run_ranks(
     died silently, how it ended. Only when a rank was killed by a signal in native code
     (gloo's worker threads in torch 2.13 crash rarely, see docs/troubleshooting.md) is
     the whole run repeated, at most ``crash_reruns`` times, each with a warning that
-    shows the crash: an assertion, an exception or a hang is never rerun. Arguments
-    that name a directory are working directories: a rerun gets fresh, empty ones.
+    shows the crash and counted in ``reruns``: an assertion, an exception or a hang is
+    never rerun, nor a crash whose crashing thread's Python stack (faulthandler's
+    "Current thread" block) names a frame of fsdp_overlap_plugin. Arguments that name a
+    directory are working directories: a rerun gets fresh, empty ones.
     """
     for _ in range(crash_reruns):
         try:
             return _attempt(fn, args, world, timeout, env)
         except NativeCrash as crash:
+            _count_rerun(fn)
             warnings.warn(f"rerunning {fn.__name__} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=2)
             args = tuple(_fresh_if_directory(a) for a in args)
     return _attempt(fn, args, world, timeout, env)
+
+
+def _count_rerun(fn: Callable) -> None:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0] or "(not in a test)"
+    entry = f"{test} ({fn.__name__})"
+    reruns.append(entry)
+    if path := os.environ.get(RERUN_LOG_ENV):
+        with open(path, "a") as f:
+            f.write(entry + "\n")
 
 
 def _fresh_if_directory(arg: Any) -> Any:

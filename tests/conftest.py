@@ -14,3 +14,13 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("FSDP_OVERLAP_TEST_CACHE") or tempfile.mkdtemp(
         prefix="fsdp_overlap_inductor_"
     )
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many multi-rank runs were repeated after a native crash (tests/_dist.py), by
+    test: a rerun that passed is still a crash someone should look at."""
+    import _dist
+
+    terminalreporter.write_line(f"native-crash reruns: {len(_dist.reruns)}", yellow=bool(_dist.reruns))
+    for entry in _dist.reruns:
+        terminalreporter.write_line(f"  {entry}")

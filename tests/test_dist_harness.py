@@ -1,15 +1,33 @@
 """The multi-rank test harness itself: a failure on one rank must name that rank and
-how it ended, even when it died in native code and could report nothing."""
+how it ended, even when it died in native code and could report nothing; a native crash
+is rerun and counted, unless the crashing thread ran this package's code."""
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import os
+import re
 import signal
+import threading
+from types import SimpleNamespace
 
+import _dist
+import conftest
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RerunAfterCrash, run_ranks
+from _dist import RerunAfterCrash, crashing_thread_stack, package_frames, run_ranks
+
+
+@pytest.fixture(autouse=True)
+def own_rerun_count(monkeypatch, tmp_path_factory) -> SimpleNamespace:
+    """The reruns these tests provoke on purpose are counted here (``entries``, and the
+    file ``log``), not in the session's count that the summary and .ci/run print."""
+    counted = SimpleNamespace(entries=[], log=tmp_path_factory.mktemp("reruns") / "reruns.log")
+    monkeypatch.setattr(_dist, "reruns", counted.entries)
+    monkeypatch.setenv(_dist.RERUN_LOG_ENV, str(counted.log))
+    return counted
 
 
 def _sum(rank: int, world: int) -> float:
@@ -68,3 +86,152 @@ def test_a_rank_that_raises_is_reported_with_its_traceback_and_never_rerun(recwa
     assert "ValueError: bad input on rank 0" in message
     assert "--- rank 1 ---" in message
     assert not [w for w in recwarn if issubclass(w.category, RerunAfterCrash)]
+
+
+# ----------------------------------------------------------------------------- strict reruns
+# Code that runs with a file name inside the package, as code of ours would, without
+# adding anything to the package: faulthandler names each frame by its code's file name.
+_PACKAGE_CODE = """\
+import faulthandler
+import time
+
+
+def crash():
+    faulthandler._sigsegv()  # a fault on this thread, inside a frame of the package
+
+
+def wait_in_package(start_crash):
+    start_crash()
+    time.sleep(60)  # the main thread sits here, in the package, while another thread crashes
+"""
+
+
+def _package_code() -> dict:
+    import fsdp_overlap_plugin
+
+    path = os.path.join(os.path.dirname(fsdp_overlap_plugin.__file__), "_harness_crash.py")
+    namespace: dict = {}
+    exec(compile(_PACKAGE_CODE, path, "exec"), namespace)
+    return namespace
+
+
+def _first_attempt(attempts: str) -> bool:
+    """Counts this attempt in the file ``attempts`` (a file, so a rerun keeps it)."""
+    with open(attempts, "a") as f:
+        f.write("attempt\n")
+    with open(attempts) as f:
+        return len(f.readlines()) == 1
+
+
+def _crash_in_package_code(rank: int, world: int, attempts: str) -> None:
+    dist.barrier()
+    if rank == 1:
+        _first_attempt(attempts)
+        _package_code()["crash"]()
+    dist.all_reduce(torch.ones(4))
+
+
+def _start_native_thread_crash() -> None:
+    # a thread with no Python state that faults at once, as gloo's pt_gloo_runloop does:
+    # its start routine is raise() and its argument SIGSEGV (the first argument register)
+    libc = ctypes.CDLL(None)
+    libc.pthread_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    thread = ctypes.c_ulong()
+    start = ctypes.cast(libc["raise"], ctypes.c_void_p)
+    assert libc.pthread_create(ctypes.byref(thread), None, start, ctypes.c_void_p(int(signal.SIGSEGV))) == 0
+
+
+def _start_python_thread_crash() -> None:
+    threading.Thread(target=faulthandler._sigsegv, name="crasher", daemon=True).start()
+
+
+def _other_thread_crashes_while_main_is_in_package(rank: int, world: int, attempts: str, how: str) -> int:
+    dist.barrier()
+    if rank == 1 and _first_attempt(attempts):
+        start = {"native": _start_native_thread_crash, "python": _start_python_thread_crash}[how]
+        _package_code()["wait_in_package"](start)
+    dist.all_reduce(torch.ones(4))
+    return rank
+
+
+@pytest.mark.slow
+def test_a_crash_on_a_thread_running_package_code_fails_at_once(tmp_path, recwarn, own_rerun_count):
+    attempts = tmp_path / "attempts"
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_crash_in_package_code, str(attempts), timeout=120)
+    message = str(info.value)
+    assert not isinstance(info.value, _dist.NativeCrash)
+    assert "while the crashing thread ran fsdp_overlap_plugin code (not rerun)" in message
+    assert "--- rank 1: the crashing thread's stack ---\nFile " in message
+    assert '_harness_crash.py", line 6 in crash' in message
+    assert attempts.read_text() == "attempt\n"  # ran once
+    assert not [w for w in recwarn if issubclass(w.category, RerunAfterCrash)]
+    assert own_rerun_count.entries == [] and not own_rerun_count.log.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["native", "python"])
+def test_another_thread_crashing_while_main_runs_package_code_is_rerun_and_counted(tmp_path, own_rerun_count, how):
+    """Only the crashing thread's stack counts: the main thread waiting inside the
+    package (as in a compiled step while gloo's worker thread crashes) does not."""
+    attempts = tmp_path / "attempts"
+    with pytest.warns(RerunAfterCrash) as warned:
+        assert run_ranks(_other_thread_crashes_while_main_is_in_package, str(attempts), how, timeout=120) == [0, 1]
+    assert attempts.read_text() == "attempt\n" * 2
+    crash = str(warned[0].message)
+    # the main thread, in the package (starting the crashing thread, or past that, asleep)
+    assert re.search(r'_harness_crash.py", line 1[01] in wait_in_package', crash), crash
+    test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+    entry = f"{test} (_other_thread_crashes_while_main_is_in_package)"
+    assert own_rerun_count.entries == [entry]
+    assert own_rerun_count.log.read_text() == entry + "\n"
+
+
+def test_only_the_current_threads_frames_decide():
+    package = os.path.dirname(_dist._package_dir())
+    ours = f'  File "{package}/fsdp_overlap_plugin/compile.py", line 9 in run_passes'
+    theirs = '  File "/usr/lib/python3.11/threading.py", line 327 in wait'
+    log = "\n".join(
+        [
+            "Fatal Python error: Segmentation fault",
+            "",
+            "Thread 0x00007f0fccc1db80 (most recent call first):",
+            ours,
+            "",
+            "Current thread 0x00007f70004786c0 (most recent call first):",
+            theirs,
+            "",
+            "Extension modules: torch._C (total: 1)",
+        ]
+    )
+    assert crashing_thread_stack(log) == [theirs.strip()]
+    assert package_frames(crashing_thread_stack(log)) == []
+    swapped = log.replace("Current thread 0x00007f70", "Thread 0x00007f70")
+    swapped = swapped.replace("Thread 0x00007f0f", "Current thread 0x00007f0f")
+    assert package_frames(crashing_thread_stack(swapped)) == [ours.strip()]
+    # a fault on a thread without Python state (gloo's workers): no block is current
+    assert crashing_thread_stack(log.replace("Current thread", "Thread")) == []
+    # a path that merely contains the package's name is not the package
+    assert package_frames(['File "/elsewhere/fsdp_overlap_plugin/x.py", line 1 in f']) == []
+
+
+class _Reporter:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def write_line(self, line: str, **markup) -> None:
+        self.lines.append(line)
+
+
+def test_the_terminal_summary_prints_the_rerun_count(own_rerun_count):
+    none = _Reporter()
+    conftest.pytest_terminal_summary(none)
+    assert none.lines == ["native-crash reruns: 0"]
+    own_rerun_count.entries.extend(["tests/test_a.py::test_b (fn)", "tests/test_c.py::test_d[x] (g)"])
+    two = _Reporter()
+    conftest.pytest_terminal_summary(two)
+    assert two.lines == [
+        "native-crash reruns: 2",
+        "  tests/test_a.py::test_b (fn)",
+        "  tests/test_c.py::test_d[x] (g)",
+    ]

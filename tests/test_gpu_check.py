@@ -25,9 +25,11 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SMALL = ["--n-layer", "3", "--d-model", "64", "--n-head", "4", "--vocab", "512", "--seq", "32"]
 
 
-def _script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _script(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", **(env or {}))
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -306,6 +308,16 @@ def test_code_order_checker_catches_a_late_prefetch_in_real_code(cpu_code):
     assert any("all-gather 2" in p and "launches after all-gather 1's wait" in p for p in problems), problems
 
 
+@pytest.mark.slow
+def test_two_fake_ranks_graph_check_passes_on_cpu(monkeypatch):
+    """The CPU twin of tests/test_gpu_cuda.py's 2-fake-rank graph check (which needs a
+    GPU): the same model and assertions, the gather group switched on as nccl does."""
+    from _bucket_graphs import check_two_rank_graphs, two_rank_graphs
+
+    torch.set_num_threads(1)
+    check_two_rank_graphs(two_rank_graphs(monkeypatch, "cpu", separate_gather_group=True), "cpu")
+
+
 def test_one_rank_mesh_has_no_collectives_in_its_graphs():
     """What the script's summary says about a world of one (DTensor skips the gather)."""
     from _fake import fake_world
@@ -469,12 +481,17 @@ def test_parent_refuses_a_model_that_would_not_fit(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_training_phases_on_cpu(tmp_path):
+def test_training_phases_run_the_compile_path_on_one_cpu_rank(tmp_path):
     """The phase processes themselves (build, parallelize, train, report, result file),
-    run by the parent as on the GPU, but on gloo with aot_eager (``--_device cpu``)."""
+    run by the parent as on the GPU, but on one gloo rank with aot_eager (``--_device cpu``):
+    the compile path and the phase plumbing. A 1-rank mesh puts no collective in the
+    graphs, so "compiled-on" and "compiled-off" run the same graph and this says nothing
+    about the passes (tests/test_gpu_cuda.py checks them on two fake ranks on the GPU,
+    tests/test_passes_traced.py on CPU)."""
     tiny = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--vocab", "256", "--seq", "32", "--batch", "4"]
     argv = ["--_device", "cpu", "--out", str(tmp_path), "--phases", "compiled-off,compiled-on,eager", *tiny]
-    done = _script(*argv, "--steps", "3", "--warmup", "1", "--lr", "3e-3")
+    # three phases, each compiling, on two shared cores: the limit only stops a hang
+    done = _script(*argv, "--steps", "3", "--warmup", "1", "--lr", "3e-3", timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     phases = results["phases"]

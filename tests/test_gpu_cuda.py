@@ -2,13 +2,20 @@
 
 Skipped without CUDA, with the reason. `python benchmarks/gpu_check.py` runs them on a GPU
 machine (`pytest -m cuda tests/test_*_cuda.py`). A world of one NCCL rank has no
-collectives in its graphs (DTensor skips the gather on a 1-rank mesh), so the generated-code
-test compiles for two ranks of a fake process group on the GPU instead.
+collectives in its graphs (DTensor skips the gather on a 1-rank mesh), so the 1-rank tests
+check the compile path only; what the passes do on the GPU path is checked on two ranks
+of a fake process group on the GPU: the FX graphs (aot_eager) and inductor's generated code.
+
+The fake-process-group checks need a real GPU too, not only CUDA device tensors: on a
+CPU-only torch build, autograd aborts the process on any CUDA tensor that requires grad,
+fake ones included (it has no CUDA device guard), and AOTAutograd traces the backward
+through autograd.
 """
 
 from __future__ import annotations
 
 import torch
+from _bucket_graphs import check_two_rank_graphs, two_rank_graphs
 from _cuda import gpu_check, nccl_world_of_one, requires_cuda
 
 import fsdp_overlap_plugin as fo
@@ -57,23 +64,35 @@ def test_one_nccl_rank_fp32_matches_the_unsharded_model():
     assert losses[-1] < losses[0]
 
 
-def test_one_nccl_rank_bf16_passes_on_off_and_eager_agree():
+def test_one_nccl_rank_bf16_inductor_compile_trains_like_eager():
+    """The compile path on one GPU: bf16 parameters, inductor's Triton code, trains and
+    agrees with eager fully_shard. A 1-rank mesh puts no collective in the graphs, so
+    the passes have nothing to act on and this says nothing about them (the 2-rank
+    fake-process-group tests below do); it only checks that their switches leave a
+    collective-free compile alone."""
     losses, reports = {}, {}
-    for name, overrides in {"on": {}, "off": PASSES_OFF, "eager": {"compile": False}}.items():
+    for name, overrides in {"default": {}, "pass_switches_off": PASSES_OFF, "eager": {"compile": False}}.items():
         with nccl_world_of_one():
             torch.manual_seed(0)
             model = gpt_small().cuda()
             fo.parallelize(model, param_dtype="bf16", reduce_dtype="fp32", backend="inductor", **overrides)
             losses[name] = _train(model, 6)
             reports[name] = fo.schedule_report(model)
-    assert losses["on"][-1] < losses["on"][0]
-    torch.testing.assert_close(losses["on"], losses["off"], rtol=1e-2, atol=0)
-    torch.testing.assert_close(losses["eager"], losses["off"], rtol=3e-2, atol=0)
+    assert losses["default"][-1] < losses["default"][0]
+    torch.testing.assert_close(losses["default"], losses["pass_switches_off"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(losses["eager"], losses["pass_switches_off"], rtol=3e-2, atol=0)
     # what gpu_check's summary says: a 1-rank mesh puts no collective in the graphs
     for kind in ("forward", "backward"):
-        assert reports["on"][kind]["before"]["all_gather"] == 0
-        assert reports["on"][kind]["after"]["all_gather"] == 0
+        assert reports["default"][kind]["before"]["all_gather"] == 0
+        assert reports["default"][kind]["after"]["all_gather"] == 0
     assert reports["eager"]["mode"] == "eager fully_shard"
+
+
+def test_two_fake_ranks_on_the_gpu_compile_bucketed_prefetched_collectives(monkeypatch):
+    """The passes on the GPU path (a cuda mesh, the nccl defaults: a separate gather
+    group), in the FX graphs. tests/test_gpu_check.py runs the same check on CPU, so CI
+    keeps it in step with the passes."""
+    check_two_rank_graphs(two_rank_graphs(monkeypatch, "cuda"), "cuda")
 
 
 def test_generated_gpu_code_keeps_the_prefetch_order():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from _dist import run_ranks
 from _fake import GraphCapture, fake_world
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -116,16 +117,55 @@ def test_schedule_report_is_json_and_formats(world2, monkeypatch):
     assert "forward" in text and "backward" in text and "plan: 6 buckets" in text
 
 
-def test_meta_device_model_materializes_after_sharding(world2):
+def _meta_model_materialized(rank: int, world: int) -> dict:
+    """On each of two gloo ranks: a meta-device GPT sharded, materialized and stepped,
+    next to the same GPT built normally (same seed) and run unsharded."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
     with torch.device("meta"):
         model = gpt_small()
     fo.parallelize(model, backend="aot_eager")
-    fo.materialize(model, "cpu")
+    fo.materialize(model, "cpu")  # full_init: a CPU mesh
+    torch.manual_seed(0)
+    plain = gpt_small()
+    shards = {}
     for name, p in model.named_parameters():
-        assert p.device.type == "cpu" and isinstance(p, DTensor), name
-    ln = model.state_dict()["blocks.0.ln1.weight"].to_local()
-    assert torch.equal(ln, torch.ones_like(ln))  # reset_parameters ran on the shards
-    _step(model)  # and it trains
+        assert p.device.type == "cpu" and isinstance(p, DTensor) and p.placements == (Shard(0),), name
+        shards[name] = (p.to_local().detach().clone(), dict(plain.named_parameters())[name].detach().clone())
+    x, y = fixed_batches(1, 2, 16, 256)[0]
+    losses = []
+    for net in (model, plain):  # the loss, one SGD step, the loss again: it trains
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        for _ in range(2):
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    return {"shards": shards, "losses": losses[:2], "plain_losses": losses[2:]}
+
+
+@pytest.mark.slow
+def test_meta_device_model_materializes_after_sharding():
+    results = run_ranks(_meta_model_materialized)
+    world = len(results)
+    for rank, result in enumerate(results):
+        assert len(result["shards"]) == N_PARAMS
+        for name, (local, full) in result["shards"].items():
+            # FSDP2's Shard(0): rank r holds rows [r * ceil(n / world), ...) of the full parameter
+            rows = -(-full.shape[0] // world)
+            assert torch.equal(local, full[rank * rows : (rank + 1) * rows]), (rank, name)
+        ln = result["shards"]["blocks.0.ln1.weight"][0]
+        assert torch.equal(ln, torch.ones_like(ln))  # reset_parameters ran on the shards
+        assert result["losses"][1] < result["losses"][0]
+        for got, want in zip(result["losses"], result["plain_losses"]):
+            assert abs(got - want) <= 1e-6, (rank, result["losses"], result["plain_losses"])
+    # the ranks hold different parts of one init, not the same values twice
+    assert not torch.equal(
+        results[0]["shards"]["blocks.0.mlp.fc.weight"][0], results[1]["shards"]["blocks.0.mlp.fc.weight"][0]
+    )
 
 
 def test_parallelize_twice_is_an_error(world2):
