@@ -198,7 +198,15 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
         record["passes"]["gather_group"] = {"moved": passes.use_gather_group(gm, state.gather_group)}
     if kind == "backward" and (config.manual_bucketing or config.overlap_grad_reduce):
         # before the bucketing: the one reduction of a tied parameter is bucketed like any other
-        record["passes"]["tied"] = passes.merge_tied_reductions(gm)
+        tied = record["passes"]["tied"] = passes.merge_tied_reductions(gm)
+        if tied["left"]:
+            warnings.warn(
+                f"fsdp-overlap: {tied['left']} sum(s) of gradient reductions in the backward graph were left as "
+                "they are (their reduction chains differ): a parameter used twice, such as a tied embedding, is "
+                "then reduced once per use, twice the bytes. schedule_report shows tied(left=...).",
+                UnbucketedWarning,
+                stacklevel=2,
+            )
     if config.manual_bucketing:
         passes.manual_bucketing(gm, state.plan, recompile=False)
         stats = gm.meta.get("fsdp_overlap", {}).get("manual_bucketing", {})

@@ -263,3 +263,19 @@ def test_ranks_whose_passes_leave_different_collectives_stop_at_the_first_step()
         assert "This is a bug in fsdp-overlap" in error
         if rank == 1:  # where they part: the embedding's bucket moves the tied weight, or not
             assert "rank 0 has `backward graph: reduce_scatter of" in error, error
+
+
+def test_a_tied_sum_left_unmerged_warns(monkeypatch):
+    """Reductions that differ (here: made to look different) are left alone, loudly."""
+    import fsdp_overlap_plugin.passes.tied as tied
+    from fsdp_overlap_plugin.compile import UnbucketedWarning
+
+    keys = iter(range(10**6))
+    monkeypatch.setattr(tied, "_signature", lambda pairs: next(keys))
+    with pytest.warns(UnbucketedWarning, match=r"1 sum\(s\) of gradient reductions .* left as they are"):
+        report, plain = _backward()
+    assert report["backward"]["passes"]["tied"]["merged"] == 0
+    assert report["backward"]["passes"]["tied"]["left"] == 1
+    assert report["backward"]["after"]["reduce_scatter"] == 6  # bucketed, but the tied weight in two buckets
+    moved = sum(_padded_bytes(p, 2) for _, p in plain.named_parameters(remove_duplicate=False))
+    assert sum(_reduce_scatter_bytes(report).values()) == moved
