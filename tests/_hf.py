@@ -97,3 +97,40 @@ def expected_collectives(model: torch.nn.Module, plan: list[list[str]]) -> tuple
         count += bool(params - seen)
         seen |= params
     return count, count
+
+
+def train_sharded(model, rank: int, world: int, data: list[torch.Tensor], lr: float) -> list[float]:
+    """SGD on this rank's slice of each batch of ``data``; the mean loss over ranks per step."""
+    import torch.distributed as dist
+    from _train import local_slice
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for ids in data:
+        value = loss(model, local_slice(ids, rank, world))
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def train_reference(model, data: list[torch.Tensor], lr: float) -> tuple[list[float], dict]:
+    """The same SGD on a copy of ``model`` in one process, on whole batches: ``(losses,
+    final full parameters)``."""
+    import copy
+
+    from _train import full_params
+
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for ids in data:
+        value = loss(model, ids)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(value.item())
+    return losses, full_params(model)

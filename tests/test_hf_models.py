@@ -18,9 +18,8 @@ import _hf
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from _dist import run_ranks
-from _train import full_params, local_slice
+from _train import full_params
 
 import fsdp_overlap_plugin as fo
 
@@ -32,44 +31,17 @@ BATCH = 4  # global; each of the 2 ranks takes half
 LR = 0.5
 
 
-def _train(model, rank: int, world: int, data: list[torch.Tensor]) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids in data:
-        loss = _hf.loss(model, local_slice(ids, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
-    return losses
-
-
-def _reference(model, data: list[torch.Tensor]) -> tuple[list[float], dict]:
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids in data:
-        loss = _hf.loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, full_params(model)
-
-
 def _families(rank: int, world: int, families: tuple[str, ...], backend: str, variants: dict) -> dict:
     data = _hf.batches(1, BATCH) * STEPS  # one batch, repeated: the loss must go down
     out: dict = {}
     for family in families:
         base = _hf.build(family)
-        result: dict = {"reference": _reference(base, data) if rank == 0 else None}
+        result: dict = {"reference": _hf.train_reference(base, data, LR) if rank == 0 else None}
         for name, overrides in variants.items():
             torch._dynamo.reset()
             model = copy.deepcopy(base)
             fo.parallelize(model, backend=backend, **overrides)
-            losses = _train(model, rank, world, data)
+            losses = _hf.train_sharded(model, rank, world, data, LR)
             report = fo.schedule_report(model)
             result[name] = {
                 "losses": losses,

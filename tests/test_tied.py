@@ -16,10 +16,9 @@ import math
 import _hf
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import run_ranks
 from _fake import fake_world
-from _train import full_params, local_slice, make_model, train_reference, train_sharded
+from _train import full_params, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
@@ -143,33 +142,6 @@ STEPS = 3
 LR = 0.5
 
 
-def _hf_train(model, rank: int, world: int, data: list) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids in data:
-        loss = _hf.loss(model, local_slice(ids, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
-    return losses
-
-
-def _hf_reference(model, data: list) -> tuple[list[float], dict]:
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids in data:
-        loss = _hf.loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, full_params(model)
-
-
 def _scenarios(rank: int, world: int) -> dict:
     import torch._dynamo
 
@@ -198,9 +170,9 @@ def _scenarios(rank: int, world: int) -> dict:
         base = _hf.build(family)
         model = fo.parallelize(copy.deepcopy(base), compile=False)
         out[f"{family}_eager"] = {
-            "losses": _hf_train(model, rank, world, data),
+            "losses": _hf.train_sharded(model, rank, world, data, LR),
             "params": full_params(model),
-            "reference": _hf_reference(base, data) if rank == 0 else None,
+            "reference": _hf.train_reference(base, data, LR) if rank == 0 else None,
             "adjustments": fo.schedule_report(model)["adjustments"],
         }
     return out
