@@ -6,10 +6,12 @@ from __future__ import annotations
 from ._version import __version__, check_torch_version
 from .accelerators import init_process_group
 from .config import MeshConfig, OverlapConfig, OverlapConfigError
+from .initialize import UninitializedWarning, materialize
 from .parallelize import parallelize
 from .plan import PlanWarning, auto_plan, resolve_plan
 from .report import format_report, schedule_report
-from .sharding import gather_disabled, materialize
+from .sharding import gather_disabled
+from .weights import load_pretrained
 
 check_torch_version()
 
@@ -24,11 +26,13 @@ __all__ = [
     "OverlapConfig",
     "OverlapConfigError",
     "PlanWarning",
+    "UninitializedWarning",
     "__version__",
     "auto_plan",
     "format_report",
     "gather_disabled",
     "init_process_group",
+    "load_pretrained",
     "materialize",
     "parallelize",
     "resolve_plan",

@@ -39,6 +39,7 @@ _REDUCE_SCATTER_IMPLS = ("native", "all_to_all")
 _RANK_CHECK = ("error", "warn", "off")
 _ON_COMPILE_ERROR = ("raise", "eager")
 _ON_UNBUCKETED = ("error", "warn")
+ON_UNINITIALIZED = ("error", "warn")
 
 
 def suggest(word: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
@@ -254,6 +255,13 @@ class OverlapConfig:
     Collectives of parameters that no plan entry covers only warn either way. Checked on FX
     graph cache hits too, from the record the passes left."""
 
+    on_uninitialized: str = "error"
+    """What ``materialize`` does with a meta-device parameter or buffer that no initialiser
+    wrote (no reset_parameters(), not covered by a transformers model's _init_weights):
+    "error" stops, naming it; "warn" warns and sets it to zero, for tensors a checkpoint
+    loaded next will fill. NaN or inf in any parameter or buffer after initialisation is
+    an error either way."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -337,6 +345,7 @@ class OverlapConfig:
             ("rank_check", _RANK_CHECK),
             ("on_compile_error", _ON_COMPILE_ERROR),
             ("on_unbucketed", _ON_UNBUCKETED),
+            ("on_uninitialized", ON_UNINITIALIZED),
         ):
             value = getattr(self, name)
             if value not in choices:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["is_transformers_model", "load_config", "model_from_config", "prepare_for_compile"]
+__all__ = ["initialize_weights", "is_transformers_model", "load_config", "model_from_config", "prepare_for_compile"]
 
 # What PreTrainedModel.loss_function falls back to for an unknown loss_type.
 _FALLBACK_LOSS = "ForCausalLM"
@@ -77,6 +77,27 @@ def prepare_for_compile(model: nn.Module) -> list[str]:
             "falls back to, set explicitly so that its logger.warning_once (a graph break) is not traced"
         )
     return notes
+
+
+def initialize_weights(model: nn.Module) -> None:
+    """Run a transformers model's own initialisation, as ``post_init()`` does outside a meta
+    device context: ``initialize_weights()`` (``_init_weights`` on every module, each by the
+    nearest enclosing sub-model; rotary ``inv_freq`` buffers recomputed from the config).
+
+    It skips every module and tensor marked ``_is_hf_initialized`` (what ``from_pretrained``
+    marks as loaded); on freshly allocated memory nothing is initialised yet, so the marks
+    are cleared first."""
+    for module in model.modules():
+        if "_is_hf_initialized" in vars(module):
+            del module._is_hf_initialized
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None and "_is_hf_initialized" in vars(tensor):
+                del tensor._is_hf_initialized
+    run = getattr(model, "initialize_weights", None)
+    if callable(run):
+        run()
+    else:  # pragma: no cover - transformers 4.x
+        model.apply(model._initialize_weights)
 
 
 def load_config(path: str | Path) -> Any:

@@ -46,7 +46,6 @@ __all__ = [
     "fully_shard_plan",
     "gather_disabled",
     "is_sharded",
-    "materialize",
     "shard_parameters",
     "SHARD_DIM_NAME",
     "REPLICATE_DIM_NAME",
@@ -194,7 +193,8 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) 
 
     Each rank keeps only its ``Shard(0)`` chunk (``torch.chunk`` semantics, padded
     on the last ranks as FSDP2 does); no data is exchanged, so every rank must start
-    from the same values (same seed, or meta-device init followed by ``materialize``).
+    from the same values (same seed, or meta-device init followed by
+    ``initialize.materialize``).
     """
     if is_sharded(model):
         raise RuntimeError("this model is already sharded by fsdp-overlap; call parallelize() once.")
@@ -223,72 +223,6 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) 
         # per module that holds it; each read is attributed to the module that read it.
         module._fsdp_overlap_fqns = {name: f"{prefix}.{name}" if prefix else name for name in names}
     return model
-
-
-def materialize(
-    model: nn.Module, device: torch.device | str, *, init: bool = True, full_init: bool | None = None
-) -> nn.Module:
-    """Allocate a meta-device model's sharded parameters on ``device`` and initialise them
-    by calling each module's ``reset_parameters()``, innermost modules first, so a
-    parent's own initialisation (GPT-style scaled init) has the last word.
-
-    ``full_init`` (default: on for CPU meshes) initialises full-size parameters once and
-    keeps each rank's shard, so the result equals an unsharded model initialised the same
-    way with the same seed; it needs the unsharded model's memory once. Without it the
-    shards are initialised directly: right on CUDA/NPU meshes, where DTensor's random ops
-    give each shard its own part of one random stream, but on CPU meshes DTensor draws
-    every shard from the same generator state, so all ranks would get the same values.
-    """
-    # to_empty() replaces plain parameters module by module, which unties tied weights;
-    # remember who shared what and share it again afterwards
-    users: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                users.setdefault(id(param), []).append((module, name))
-    model.to_empty(device=device)
-    for shared in users.values():
-        (first, first_name), *rest = shared
-        for module, name in rest:
-            module._parameters[name] = first._parameters[first_name]
-    if not init:
-        return model
-    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
-    if full_init is None:
-        full_init = bool(sharded) and sharded[0].device_mesh.device_type == "cpu"
-    with gather_disabled(), torch.no_grad():
-        if not full_init:
-            _reset_all(model)
-            return model
-        originals: list[tuple[nn.Module, str, DTensor]] = []
-        full_of: dict[int, nn.Parameter] = {}
-        for module in model.modules():
-            for name, param in list(module._parameters.items()):
-                if isinstance(param, DTensor):
-                    full = full_of.get(id(param))
-                    if full is None:  # tied parameters share one full tensor
-                        local = param.to_local()
-                        full = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=local.device))
-                        full_of[id(param)] = full
-                    originals.append((module, name, param))
-                    module._parameters[name] = full
-        try:
-            _reset_all(model)
-        finally:
-            for module, name, param in originals:
-                module._parameters[name] = param
-        unique = {id(param): param for _, _, param in originals}
-        for key, param in unique.items():
-            shard = distribute_tensor(full_of[key], param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-    return model
-
-
-def _reset_all(model: nn.Module) -> None:
-    for module in reversed(list(model.modules())):
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
 
 
 def resolve_activation_checkpointing(model: nn.Module, patterns: list[str]) -> list[str]:

@@ -26,7 +26,7 @@ from fsdp_overlap_plugin.lightning import (
     config_for_precision,
     standalone,
 )
-from fsdp_overlap_plugin.lightning._common import find_uninitialised, report_metrics, select_target
+from fsdp_overlap_plugin.lightning._common import report_metrics, select_target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,17 +187,6 @@ def test_auto_selects_the_single_child_holding_parameters():
     assert select_target(root, "model.1") == ("model.1", root.model[1])
     with pytest.raises(OverlapConfigError, match="module: _Wrapper has no submodule 'modle'.*Did you mean 'model'"):
         select_target(root, "modle")
-
-
-def test_meta_modules_without_reset_parameters_are_named():
-    class Bare(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.empty(3))
-
-    with torch.device("meta"):
-        root = nn.Sequential(nn.Linear(2, 2), Bare())
-    assert find_uninitialised(root) == ["1 (Bare)"]
 
 
 def test_report_metrics_flatten_the_schedule_report():

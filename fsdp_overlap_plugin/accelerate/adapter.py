@@ -35,9 +35,10 @@ import torch.nn as nn
 from .. import accelerators
 from ..compile import get_state
 from ..config import OverlapConfig, OverlapConfigError, suggest
+from ..initialize import materialize
 from ..parallelize import parallelize
 from ..plan import expand_pattern, resolve_plan
-from ..sharding import build_mesh, is_sharded, materialize
+from ..sharding import build_mesh, is_sharded
 from .config import (
     AccelerateSettings,
     ConfigSource,
@@ -210,7 +211,7 @@ def prepare(
     except OverlapConfigError as exc:
         raise rename_error(exc, where, prefixed) from None
     if on_meta:
-        materialize(model, device)
+        materialize(model, device, on_uninitialized=cfg.on_uninitialized)
     _switch_optimizer_params(optimizers, old_names, model)
 
     model._is_accelerate_prepared = True  # Accelerate's own flag: register the model, never wrap it

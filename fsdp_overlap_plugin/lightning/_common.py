@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from .. import accelerators
 from ..compile import get_state
 from ..config import OverlapConfig, OverlapConfigError, suggest
+from ..initialize import materialize
 from ..parallelize import parallelize
-from ..sharding import is_sharded, materialize
+from ..sharding import is_sharded
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -31,7 +31,6 @@ __all__ = [
     "StrategyBase",
     "build_config",
     "config_for_precision",
-    "find_uninitialised",
     "log_once",
     "no_gathers",
     "on_meta",
@@ -146,17 +145,6 @@ def select_target(root: nn.Module, spec: str) -> tuple[str, nn.Module]:
     return spec, root.get_submodule(spec)
 
 
-def find_uninitialised(module: nn.Module) -> list[str]:
-    """Modules holding meta-device tensors of their own but no ``reset_parameters()``:
-    after ``materialize`` their memory would be left uninitialised."""
-    out = []
-    for name, sub in module.named_modules():
-        own = [t for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None]
-        if any(t.device.type == "meta" for t in own) and not callable(getattr(sub, "reset_parameters", None)):
-            out.append(f"{name or '<root>'} ({type(sub).__name__})")
-    return out
-
-
 def on_meta(module: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
 
@@ -176,11 +164,11 @@ def parallelize_once(
     config: OverlapConfig,
     mesh: Any,
     device: torch.device,
-    meta_hint: str = "",
 ) -> nn.Module:
     """Parallelize the module ``choose_target()`` names inside ``root``, unless one
-    already was, then materialize ``root`` if it was built on the meta device (warning
-    about modules whose memory would stay uninitialised). Returns the parallelized module."""
+    already was, then materialize ``root`` if it was built on the meta device (initialised
+    as its library does; a tensor nothing initialises is an error or a warning, per
+    ``on_uninitialized``). Returns the parallelized module."""
     done = parallelized_module(root)
     if done is None:
         target = choose_target()
@@ -189,13 +177,7 @@ def parallelize_once(
         parallelize(target, config, mesh=mesh)
         done = target
     if on_meta(root):
-        missing = find_uninitialised(root)
-        if missing:
-            rank_zero_warn(
-                "fsdp_overlap: these modules hold meta-device parameters or buffers but define no "
-                f"reset_parameters(), so their memory stays uninitialised: {', '.join(missing)}.{meta_hint}"
-            )
-        materialize(root, device)
+        materialize(root, device, on_uninitialized=config.on_uninitialized)
     return done
 
 

@@ -95,6 +95,7 @@ class FabricStrategyMixin(StrategyBase):
         rank_check_timeout: float | None = None,
         on_compile_error: str | None = None,
         on_unbucketed: str | None = None,
+        on_uninitialized: str | None = None,
     ) -> None:
         overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
         self._user_config = build_config(config, overrides)

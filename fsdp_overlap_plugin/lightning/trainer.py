@@ -113,6 +113,7 @@ class TrainerStrategyMixin(StrategyBase):
         rank_check_timeout: float | None = None,
         on_compile_error: str | None = None,
         on_unbucketed: str | None = None,
+        on_uninitialized: str | None = None,
     ) -> None:
         overrides = {k: v for k, v in locals().items() if k in CONFIG_FIELDS}
         self._user_config = build_config(config, overrides)  # a wrong key fails here, at Trainer(...)
@@ -168,7 +169,6 @@ class TrainerStrategyMixin(StrategyBase):
             self.overlap_config,
             self.device_mesh,
             self.root_device,
-            meta_hint=" Load a checkpoint (ckpt_path=...) or initialise them in reset_parameters().",
         )
         self.barrier()
         if _fn(trainer) == "fit":
