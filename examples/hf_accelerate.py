@@ -9,10 +9,11 @@ fsdp_overlap_* keys under fsdp_config); the script has one extra line.
 
 Nothing is downloaded: the default model is the tiny Llama of
 ``fsdp_overlap_plugin.models.TINY_LLAMA`` (``lm_head`` shares the embedding's weight),
-``--config-json`` reads a local ``config.json``, and ``--weights`` loads a local checkpoint with
-``from_pretrained(..., local_files_only=True)`` on every rank before ``prepare`` shards it.
-The model is built in real memory on every rank; building a transformers model on the
-meta device is not supported yet (a separate, later issue).
+``--config-json`` reads a local ``config.json``. Without ``--weights`` the model is built in
+real memory on every rank from the same seed, and ``prepare`` shards it. With ``--weights``
+(or ``--meta``) it is built on the meta device (no memory), ``prepare`` shards and
+materializes it (initialised as transformers does), and ``fsdp_overlap_plugin.load_pretrained``
+reads the checkpoint into the shards: each rank only its rows of each tensor.
 """
 
 import argparse
@@ -24,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see the README
@@ -42,6 +43,7 @@ MAX_GRAD_NORM = 1.0
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: TINY_LLAMA)")
 parser.add_argument("--weights", default=None, help="a local folder written by save_pretrained")
+parser.add_argument("--meta", action="store_true", help="build on the meta device (implied by --weights)")
 parser.add_argument("--steps", type=int, default=STEPS)
 parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
 args = parser.parse_args()
@@ -49,19 +51,21 @@ args = parser.parse_args()
 
 accelerator = Accelerator()
 set_seed(0)  # same initial weights on every rank; each keeps its own shard
-config = load_config(args.config_json) if args.config_json else None
-if args.weights:
-    model = AutoModelForCausalLM.from_pretrained(
-        args.weights, config=config, local_files_only=True, dtype=torch.float32
-    ).train()  # from_pretrained returns it in eval mode
+config = load_config(args.config_json or args.weights) if (args.config_json or args.weights) else None
+config = AutoConfig.for_model(**TINY_LLAMA) if config is None else config
+if args.weights or args.meta:
+    with torch.device("meta"):  # shapes only: prepare() materializes this rank's shards
+        model = model_from_config(config)
 else:
-    model = model_from_config(AutoConfig.for_model(**TINY_LLAMA) if config is None else config)
+    model = model_from_config(config)
 optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 # One global batch per step; Accelerate deals each rank its part (BATCH_PER_RANK sequences).
 tokens = counting_sequences(args.steps * BATCH_PER_RANK * accelerator.num_processes, SEQ, model.config.vocab_size)
 loader = DataLoader(TensorDataset(tokens), batch_size=BATCH_PER_RANK)
 
 model, optimizer, loader = prepare(accelerator, model, optimizer, loader)  # <- the fsdp-overlap line
+if args.weights:
+    fo.load_pretrained(model, args.weights)  # each rank reads its shards' rows
 accelerator.print(f"fsdp-overlap settings from {config_source(model)}")
 
 local = sum(p.to_local().numel() for p in model.parameters())

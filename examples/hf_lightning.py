@@ -7,17 +7,19 @@ schedule summary at the end.
     torchrun --standalone --nproc-per-node 2 examples/hf_lightning.py --steps 3
     python examples/hf_lightning.py --config-json path/to/config.json      # any local transformers config.json
     python examples/hf_lightning.py --weights path/to/folder               # a folder written by save_pretrained
+    python examples/hf_lightning.py --meta                                 # build on the meta device
 
 Nothing is downloaded: the default model is the tiny Llama of
 ``fsdp_overlap_plugin.models.TINY_LLAMA`` (``lm_head`` shares the embedding's weight),
-``--config-json`` reads a local ``config.json``, and ``--weights`` loads a local checkpoint with
-``from_pretrained(..., local_files_only=True)`` on every rank before the strategy shards it.
+``--config-json`` reads a local ``config.json``.
 
-The model is built in ``__init__`` on every rank, in real memory, and the strategy
-shards it (``self.model`` is what it parallelizes). Building a transformers model on
-the meta device in ``configure_model`` is not supported yet (transformers initialises
-through ``post_init`` and computes rotary ``inv_freq`` in ``__init__``, which
-``materialize`` does not repeat): that is a separate, later issue.
+By default the model is built in ``__init__`` on every rank, in real memory, from the same
+seed, and the strategy shards it. With ``--meta`` or ``--weights`` it is built the way a
+model too large for one host must be: on the meta device in ``configure_model`` (no
+memory), sharded by the strategy and materialized on the shards, initialised as
+transformers initialises it (``_init_weights``, rotary ``inv_freq``); ``--weights`` then
+loads the checkpoint into the shards in ``on_fit_start`` (``fsdp_overlap_plugin.load_pretrained``:
+each rank reads only its rows of each tensor from the safetensors files).
 """
 
 from __future__ import annotations
@@ -56,17 +58,10 @@ TRAINER = {
 # --------------------------------------------------------------------------------------
 
 
-def build_model(config: Any = None, weights: str | Path | None = None) -> nn.Module:
-    """The causal LM: from a local checkpoint folder (``save_pretrained``) when ``weights``
-    is given, else randomly initialised from ``config`` (a dict of config.json keys, a
-    path to a config.json, or a transformers config; None: ``TINY_LLAMA``). Never reaches the hub."""
-    if weights is not None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            weights, config=_config(config) if config is not None else None, local_files_only=True, dtype=torch.float32
-        )
-        return model.train()  # from_pretrained returns it in eval mode
+def build_model(config: Any = None) -> nn.Module:
+    """The causal LM, randomly initialised from ``config`` (a dict of config.json keys, a
+    path to a config.json, or a transformers config; None: ``TINY_LLAMA``). Never reaches
+    the hub. Under ``torch.device("meta")`` it allocates nothing."""
     return model_from_config(_config(TINY_LLAMA if config is None else config))
 
 
@@ -81,16 +76,34 @@ def _config(config: Any) -> Any:
 
 
 class CausalLMModule(LightningModule):
-    """``self.model`` is the transformers model (built here, on every rank, from the same
-    seed); its own loss (``labels=input_ids``, shifted inside the model) is the loss."""
+    """``self.model`` is the transformers model; its own loss (``labels=input_ids``,
+    shifted inside the model) is the loss. ``meta`` (implied by ``weights``, a local
+    ``save_pretrained`` folder): built in ``configure_model`` on the meta device."""
 
-    def __init__(self, config: Any = None, weights: str | None = None, lr: float = LR, seed: int = 0) -> None:
+    def __init__(
+        self, config: Any = None, weights: str | None = None, lr: float = LR, seed: int = 0, meta: bool = False
+    ) -> None:
         super().__init__()
         self.lr = lr
-        torch.manual_seed(seed)  # the same initial weights on every rank; each keeps its shard
-        self.model = build_model(config, weights)
+        self.weights = weights
+        if weights is not None and config is None:
+            config = load_config(weights)  # the checkpoint's own config.json
+        self.model_config = config
+        self.model: nn.Module | None = None
+        if not (meta or weights):
+            torch.manual_seed(seed)  # the same initial weights on every rank; each keeps its shard
+            self.model = build_model(config)
         self.losses: list[float] = []  # this rank's loss per step
         self.all_losses: list[list[float]] | None = None  # every rank's, after fit
+
+    def configure_model(self) -> None:
+        if self.model is None:  # meta: shapes only; the strategy materializes the shards
+            with torch.device("meta"):
+                self.model = build_model(self.model_config)
+
+    def on_fit_start(self) -> None:
+        if self.weights is not None:  # into the materialized shards, each rank its rows
+            fo.load_pretrained(self.model, self.weights)
 
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (ids,) = batch
@@ -111,14 +124,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: TINY_LLAMA)")
     parser.add_argument("--weights", default=None, help="a local folder written by save_pretrained")
+    parser.add_argument("--meta", action="store_true", help="build on the meta device (implied by --weights)")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # two ranks share a small machine
     seed_everything(0)
-    module = CausalLMModule(args.config_json, args.weights)
-    vocab = module.model.config.vocab_size
+    module = CausalLMModule(args.config_json, args.weights, meta=args.meta)
+    vocab = _config(module.model_config or TINY_LLAMA).vocab_size
     loader = DataLoader(TensorDataset(counting_sequences(SAMPLES, SEQ, vocab)), batch_size=BATCH_PER_RANK)
     # Lightning replaces the sampler by a shuffling DistributedSampler: each rank reads its part.
     trainer = Trainer(**TRAINER, max_steps=args.steps, gradient_clip_val=MAX_GRAD_NORM)

@@ -199,21 +199,3 @@ def test_other_families_through_the_trainer_equal_the_core_and_are_bucketed(resu
     assert report["backward"]["after"]["reduce_scatter"] == backward == len(report["plan"])
     assert report["forward"]["before"]["all_gather"] > 3 * forward
     assert report["forward"]["left_unbucketed"] == [] and report["backward"]["left_unbucketed"] == []
-
-
-def test_weights_option_loads_a_save_pretrained_checkpoint(tmp_path):
-    """examples/hf_lightning.py --weights: the module's model is the checkpoint (tied, in
-    train mode), read with from_pretrained from the local folder."""
-    source = _hf.build("llama", seed=7)
-    source.save_pretrained(tmp_path)
-    assert (tmp_path / "model.safetensors").is_file()
-    model = _example().CausalLMModule(weights=str(tmp_path)).model
-    assert type(model).__name__ == "LlamaForCausalLM" and model.training
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    want = source.state_dict()
-    got = model.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
-    fresh = _hf.build("llama", seed=0).state_dict()  # what the module builds without --weights
-    assert not torch.equal(fresh["model.embed_tokens.weight"], got["model.embed_tokens.weight"])
