@@ -23,6 +23,7 @@ behind); any is an error naming it, raised on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from . import hf
 from .config import ON_UNINITIALIZED, OverlapConfigError
 from .sharding import gather_disabled
+from .weights import row_range
 
 __all__ = ["UninitializedWarning", "check_finite", "materialize"]
 
@@ -161,6 +163,8 @@ def _initialise(model: nn.Module, pending: list[_Slot], full_init: bool) -> list
     sources: dict[int, torch.Tensor] = {}  # id(DTensor) -> what its stand-in slot holds now
     try:
         _run_initialisers(model)
+        if not full_init:
+            _zero_padding_rows(model)
     finally:
         for slot, param in swapped:
             sources.setdefault(id(param), slot.get())  # an initialiser may have replaced it
@@ -185,12 +189,63 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _run_initialisers(model: nn.Module) -> None:
-    for module in reversed(list(model.modules())):
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
+    with _untied(model):
+        for module in reversed(list(model.modules())):
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        for _, pretrained in hf.outermost_transformers_models(model):
+            hf.initialize_weights(pretrained)
+
+
+def _zero_padding_rows(model: nn.Module) -> None:
+    """``weight[padding_idx].zero_()`` (``nn.Embedding.reset_parameters``, transformers'
+    ``_init_weights``) selects a row of a ``Shard(0)`` DTensor, which DTensor answers with a
+    gathered copy: the write never reaches the shard. Write it on the rank that holds it."""
+    for module in model.modules():
+        if not isinstance(module, nn.Embedding) or module.padding_idx is None:
+            continue
+        weight = module._parameters.get("weight")
+        if not isinstance(weight, DTensor):
+            continue
+        start, stop = row_range(weight)
+        row = module.padding_idx % weight.shape[0]
+        if start <= row < stop:
+            weight.to_local()[row - start].zero_()
+
+
+@contextlib.contextmanager
+def _untied(model: nn.Module):
+    """transformers ties weights *after* initialising them (``post_init``: initialise, then
+    ``tie_weights``), so the tie source's initialisation is what a normal build keeps (an
+    embedding's zero ``padding_idx`` row; ``lm_head``'s own draw is thrown away). Give each
+    tied slot transformers declares (``all_tied_weights_keys``: tied name -> source) a
+    throwaway tensor while the initialisers run, and share the source again afterwards."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
     for _, pretrained in hf.outermost_transformers_models(model):
-        hf.initialize_weights(pretrained)
+        for tied, source in (getattr(pretrained, "all_tied_weights_keys", None) or {}).items():
+            holder, name = _owner(pretrained, tied)
+            origin, origin_name = _owner(pretrained, source)
+            if holder is None or origin is None:
+                continue
+            value = holder._parameters.get(name)
+            if value is not None and value is origin._parameters.get(origin_name):
+                swapped.append((holder, name, value))
+                holder._parameters[name] = nn.Parameter(torch.empty_like(value), requires_grad=False)
+    try:
+        yield
+    finally:
+        for holder, name, value in swapped:
+            holder._parameters[name] = value
+
+
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module | None, str]:
+    parent, _, name = fqn.rpartition(".")
+    try:
+        module = root.get_submodule(parent) if parent else root
+    except AttributeError:
+        return None, name
+    return (module, name) if name in module._parameters else (None, name)
 
 
 def _report_untouched(untouched: list[_Slot], policy: str) -> None:

@@ -91,7 +91,7 @@ def load_pretrained(model: nn.Module, path: str | Path, *, strict: bool = True) 
         raise OverlapConfigError(
             f"load_pretrained: {path}: {'; '.join(parts)}. Pass strict=False to load what matches."
         )
-    from .initialize import check_finite
+    from .initialize import check_finite  # initialize imports this module
 
     check_finite(model)
     return {
@@ -212,14 +212,14 @@ def _copy_rows(source, key: str, name: str, tensor: torch.Tensor) -> None:
             tensor.copy_(source[:] if shape else source[...])
             return
         local = tensor.to_local()
-        start, stop = _row_range(tensor)
+        start, stop = row_range(tensor)
         if local.numel() == 0:
             return
         rows = source[start:stop] if shape else source[...]
         local.copy_(rows)
 
 
-def _row_range(tensor: DTensor) -> tuple[int, int]:
+def row_range(tensor: DTensor) -> tuple[int, int]:
     """This rank's rows ``[start, stop)`` of dim 0: ``Shard(0)`` splits them with
     ``torch.chunk`` semantics over its mesh dimension (replicas read the same rows)."""
     shards = [(dim, p) for dim, p in enumerate(tensor.placements) if isinstance(p, Shard)]

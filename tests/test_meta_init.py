@@ -70,6 +70,23 @@ def test_materialize_initialises_a_transformers_model_as_transformers_does(famil
     assert math.isfinite(_hf.loss(model, ids).item())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # tied, untied
+def test_the_padding_row_is_zero_as_in_a_normal_build(family):
+    """transformers initialises, then ties: the embedding's zero padding row survives a
+    normal build of a tied model; initialising the already-tied tensor would overwrite it
+    with lm_head's draw."""
+    torch.manual_seed(0)
+    import transformers as T
+
+    normal = T.AutoModelForCausalLM.from_config(_hf.config(family, pad_token_id=1))
+    assert torch.equal(normal.get_input_embeddings().weight[1], torch.zeros(32))
+    model = _meta(family, pad_token_id=1)
+    fo.materialize(model, "cpu")
+    embedding = model.get_input_embeddings().weight
+    assert torch.equal(embedding[1], torch.zeros(32)) and embedding[2].abs().sum() > 0
+    assert (model.get_output_embeddings().weight is embedding) == (family == "llama")
+
+
 class _Bare(nn.Module):
     """A parameter and a buffer that nothing initialises (no reset_parameters())."""
 
@@ -234,18 +251,50 @@ def _core_random(rank: int, world: int, family: str) -> dict:
     }
 
 
+def _core_on_shards(rank: int, world: int) -> dict:
+    """``full_init=False`` (the CUDA/NPU default: the initialisers run on the shards
+    themselves; on CPU every rank draws the same values, but the mechanics are the same):
+    a tied Llama with a padding row, which DTensor cannot write through an index."""
+    model = _meta("llama", pad_token_id=60)  # row 60: on rank 1 (rows 49-96)
+    fo.parallelize(model, {"backend": "aot_eager"})
+    fo.materialize(model, "cpu", full_init=False)
+    embedding = model.get_input_embeddings()._parameters["weight"].full_tensor()
+    norms = [w.full_tensor() for w in _norm_weights(model)]
+    return {
+        "buffers_equal": _buffers_equal_normal_build(model, "llama"),
+        "norms_one": all(bool((w == 1).all()) for w in norms),
+        "padding_row_zero": torch.equal(embedding[60], torch.zeros(32)),
+        "finite": bool(torch.isfinite(embedding).all()),
+    }
+
+
 def _core_loaded(rank: int, world: int, family: str, folder: str, data: list) -> dict:
     import torch._dynamo
+
+    from fsdp_overlap_plugin import weights
 
     torch._dynamo.reset()
     model = _meta(family)
     fo.parallelize(model, {"backend": "aot_eager"})
     fo.materialize(model, "cpu")
-    info = fo.load_pretrained(model, folder)
+    reads = []  # (rows read, rows in the tensor) per sharded tensor loaded
+    original = weights.row_range
+
+    def recording(tensor):
+        start, stop = original(tensor)
+        reads.append((start, stop, tensor.shape[0]))
+        return start, stop
+
+    weights.row_range = recording
+    try:
+        info = fo.load_pretrained(model, folder)
+    finally:
+        weights.row_range = original
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     return {
         "losses": _train(model, rank, world, data),
         "files": info["files"],
+        "reads": reads,
         "tied": emb._parameters["weight"] is head._parameters["weight"],
         "buffers_equal": _buffers_equal_normal_build(model, family),
     }
@@ -276,6 +325,26 @@ def _lightning_loaded(rank: int, world: int, family: str, folder: str, data: lis
     )
     tr.fit(lit, DataLoader(TensorDataset(local), batch_size=len(local) // len(data)))
     return {"losses": lit.all_losses, "buffers_equal": _buffers_equal_normal_build(lit.model, family)}
+
+
+def _lightning_random(rank: int, world: int, data: list, root: str) -> dict:
+    """examples/hf_lightning.py --meta: configure_model on meta, no checkpoint."""
+    import torch._dynamo
+    from _lightning import trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_lightning
+
+    torch._dynamo.reset()
+    lit = hf_lightning.CausalLMModule(_hf.config("llama"), lr=LR, meta=True)
+    local = torch.cat([local_slice(ids, rank, world) for ids in data])
+    strategy = FSDPOverlapStrategy(backend="aot_eager")
+    tr = trainer(root, max_epochs=1, strategy=strategy, precision="32-true", use_distributed_sampler=False)
+    tr.fit(lit, DataLoader(TensorDataset(local), batch_size=len(local) // len(data)))
+    return {"losses": lit.all_losses, "buffers_equal": _buffers_equal_normal_build(lit.model, "llama")}
 
 
 def _fabric_loaded(rank: int, world: int, family: str, folder: str, data: list) -> dict:
@@ -377,6 +446,8 @@ def _all(rank: int, world: int, folders: dict, data: list, root: str, plain: str
             "accelerate": _accelerate_loaded(rank, world, family, folder, data),
         }
     out["warn"] = _warn_then_load(rank, world, plain)
+    out["on_shards"] = _core_on_shards(rank, world)
+    out["lightning_random"] = _lightning_random(rank, world, data, f"{root}/random")
     return out
 
 
@@ -440,6 +511,13 @@ def test_weights_loaded_into_the_shards_train_like_from_pretrained(results, fami
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, want)), (entry, losses, want)
     core = results["ranks"][0][family]["core"]
     assert core["files"] > 1  # a checkpoint of several safetensors files
+    if entry == "core":  # each rank read only its rows: chunk semantics, ceil(rows / 2) first
+        for rank, result in enumerate(results["ranks"]):
+            reads = result[family]["core"]["reads"]
+            assert reads and all(
+                stop - start == (-(-rows // 2) if rank == 0 else rows // 2) for start, stop, rows in reads
+            )
+            assert all(start == (0 if rank == 0 else -(-rows // 2)) for start, _, rows in reads)
     if family in ("llama", "gpt2"):
         assert core["tied"]  # tied weights stay one parameter
     if entry == "fabric":
@@ -462,3 +540,19 @@ def test_on_uninitialized_warn_trains_after_a_checkpoint_fills_them(results):
         warn = rank["warn"]
         assert len(warn["warned"]) == 1 and "gain" in warn["warned"][0] and warn["zero"]
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(warn["losses"], want)), (warn["losses"], want)
+
+
+@pytest.mark.slow
+def test_initialisers_on_the_shards_write_every_row(results):
+    for rank in results["ranks"]:
+        assert rank["on_shards"] == {"buffers_equal": True, "norms_one": True, "padding_row_zero": True, "finite": True}
+
+
+@pytest.mark.slow
+def test_lightning_configure_model_on_meta_trains_without_a_checkpoint(results):
+    for rank in results["ranks"]:
+        random = rank["lightning_random"]
+        assert random["buffers_equal"]
+        losses = [sum(step) / len(step) for step in zip(*random["losses"])]
+        assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+        assert abs(losses[0] - math.log(_hf.VOCAB)) < 0.1  # a fresh init: about log(vocab)
