@@ -99,16 +99,20 @@ def expected_collectives(model: torch.nn.Module, plan: list[list[str]]) -> tuple
     return count, count
 
 
-def train_sharded(model, rank: int, world: int, data: list[torch.Tensor], lr: float) -> list[float]:
-    """SGD on this rank's slice of each batch of ``data``; the mean loss over ranks per step."""
+def train_sharded(
+    model, rank: int, world: int, data: list[torch.Tensor], lr: float, *, optimizer=None, backward=None, loss_fn=None
+) -> list[float]:
+    """SGD (or ``optimizer``) on this rank's slice of each batch of ``data``; the mean loss
+    over ranks per step. ``backward``: e.g. ``fabric.backward``; ``loss_fn(model, batch)``:
+    the model's own causal-LM loss by default."""
     import torch.distributed as dist
     from _train import local_slice
 
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for ids in data:
-        value = loss(model, local_slice(ids, rank, world))
-        value.backward()
+        value = (loss_fn or loss)(model, local_slice(ids, rank, world))
+        (backward or torch.Tensor.backward)(value)
         opt.step()
         opt.zero_grad(set_to_none=True)
         value = value.detach().clone()
