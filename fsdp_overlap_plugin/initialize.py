@@ -34,10 +34,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import hf
 from .config import ON_UNINITIALIZED, OverlapConfigError
-from .sharding import gather_disabled
-from .weights import row_range
+from .sharding import gather_disabled, row_range
 
-__all__ = ["UninitializedWarning", "check_finite", "materialize"]
+__all__ = ["UninitializedWarning", "check_finite", "materialize", "slots"]
 
 # Names listed in one error message; the rest are counted.
 _MAX_NAMES = 12
@@ -63,7 +62,8 @@ class _Slot:
         getattr(self.module, self.kind)[self.name] = value
 
 
-def _slots(model: nn.Module) -> list[_Slot]:
+def slots(model: nn.Module) -> list[_Slot]:
+    """Every parameter and buffer slot of ``model``, tied tensors once per module holding them."""
     out = []
     for prefix, module in model.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
@@ -109,12 +109,12 @@ def materialize(
     policy = on_uninitialized if on_uninitialized is not None else _default_policy(model)
     if policy not in ON_UNINITIALIZED:
         raise OverlapConfigError(f"on_uninitialized: unknown value {policy!r}; valid: {', '.join(ON_UNINITIALIZED)}.")
-    slots = _slots(model)
-    pending = [slot for slot in slots if slot.get().is_meta]
+    every = slots(model)
+    pending = [slot for slot in every if slot.get().is_meta]
     # _apply replaces plain parameters module by module, which unties tied weights;
     # remember who shared what and share it again afterwards
     shared: dict[int, list[_Slot]] = {}
-    for slot in slots:
+    for slot in every:
         shared.setdefault(id(slot.get()), []).append(slot)
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     for group in shared.values():
@@ -160,24 +160,23 @@ def _initialise(model: nn.Module, pending: list[_Slot], full_init: bool) -> list
                 value.fill_(float("nan"))
             seen[id(value)] = (value, _version(value))
     before = {slot.fqn: seen[id(slot.get())] for slot in pending}
-    sources: dict[int, torch.Tensor] = {}  # id(DTensor) -> what its stand-in slot holds now
+    # id(DTensor) -> (it, what its stand-in slot holds after the initialisers)
+    sources: dict[int, tuple[DTensor, torch.Tensor]] = {}
     try:
         _run_initialisers(model)
         if not full_init:
             _zero_padding_rows(model)
     finally:
         for slot, param in swapped:
-            sources.setdefault(id(param), slot.get())  # an initialiser may have replaced it
+            sources.setdefault(id(param), (param, slot.get()))  # an initialiser may have replaced it
             slot.set(param)
     untouched = []
     for slot in pending:
         value, version = before[slot.fqn]
-        now = sources.get(id(slot.get()), slot.get()) if full_init else slot.get()
+        now = sources.get(id(slot.get()), (None, slot.get()))[1]
         if now is value and _version(now) == version:
             untouched.append(slot)
-    param_of = {id(param): param for _, param in swapped}
-    for key, full in sources.items():
-        param = param_of[key]
+    for param, full in sources.values():
         shard = distribute_tensor(full.detach(), param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     return untouched

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -41,6 +42,7 @@ except ImportError:  # pragma: no cover - older torch: module paths are the only
 __all__ = [
     "apply_activation_checkpointing",
     "resolve_activation_checkpointing",
+    "row_range",
     "build_gather_group",
     "build_mesh",
     "fully_shard_plan",
@@ -328,3 +330,21 @@ def _groups_sharing_parameters(model: nn.Module, plan: list[list[str]]) -> list[
         ]
         out.append((entries, shared))
     return out
+
+
+def row_range(tensor: DTensor) -> tuple[int, int]:
+    """This rank's rows ``[start, stop)`` of dim 0: ``Shard(0)`` splits them with
+    ``torch.chunk`` semantics over its mesh dimension (replicas read the same rows)."""
+    shards = [(dim, p) for dim, p in enumerate(tensor.placements) if isinstance(p, Shard)]
+    if not shards:
+        return 0, tensor.shape[0] if tensor.dim() else 1
+    if len(shards) > 1 or shards[0][1].dim != 0:
+        raise OverlapConfigError(
+            f"a parameter placed as {tensor.placements}; only Shard(0) layouts (FSDP2's and this "
+            "plugin's) are supported."
+        )
+    mesh_dim = shards[0][0]
+    rows = tensor.shape[0]
+    chunk = math.ceil(rows / tensor.device_mesh.size(mesh_dim))
+    start = min(tensor.device_mesh.get_local_rank(mesh_dim) * chunk, rows)
+    return start, start + tensor.to_local().shape[0]

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from . import hf
 from .config import OverlapConfigError
+from .initialize import check_finite, slots
+from .sharding import row_range
 
 __all__ = ["load_pretrained"]
 
@@ -91,8 +92,6 @@ def load_pretrained(model: nn.Module, path: str | Path, *, strict: bool = True) 
         raise OverlapConfigError(
             f"load_pretrained: {path}: {'; '.join(parts)}. Pass strict=False to load what matches."
         )
-    from .initialize import check_finite  # initialize imports this module
-
     check_finite(model)
     return {
         "loaded": sorted(loaded.values()),
@@ -139,15 +138,11 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every name a checkpoint may use for a parameter or persistent buffer (tied tensors
     under each of their names), to the tensor itself (a DTensor when sharded)."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        skip = getattr(module, "_non_persistent_buffers_set", set())
-        for kind in ("_parameters", "_buffers"):
-            for name, value in getattr(module, kind).items():
-                if value is None or (kind == "_buffers" and name in skip):
-                    continue
-                out[f"{prefix}.{name}" if prefix else name] = value
-    return out
+    return {
+        slot.fqn: slot.get()
+        for slot in slots(model)
+        if not (slot.kind == "_buffers" and slot.name in slot.module._non_persistent_buffers_set)
+    }
 
 
 def _renamer(model: nn.Module, targets: dict[str, torch.Tensor]):
@@ -183,14 +178,13 @@ def _library_classes(model: nn.Module):
     swapped = []
     for module in model.modules():
         cls = type(module)
-        for prefix in ("FSDPOverlap", "FSDP"):
-            if hf.is_transformers_model(module) and cls.__name__.startswith(prefix):
-                name = cls.__name__[len(prefix) :]
-                original = next((c for c in cls.__mro__ if c.__name__ == name), None)
-                if original is not None:
-                    swapped.append((module, cls))
-                    module.__class__ = original
-                break
+        if not hf.is_transformers_model(module):
+            continue
+        prefix = next((p for p in ("FSDPOverlap", "FSDP") if cls.__name__.startswith(p)), None)
+        original = prefix and next((c for c in cls.__mro__ if c.__name__ == cls.__name__[len(prefix) :]), None)
+        if original is not None:
+            swapped.append((module, cls))
+            module.__class__ = original
     try:
         yield
     finally:
@@ -217,21 +211,3 @@ def _copy_rows(source, key: str, name: str, tensor: torch.Tensor) -> None:
             return
         rows = source[start:stop] if shape else source[...]
         local.copy_(rows)
-
-
-def row_range(tensor: DTensor) -> tuple[int, int]:
-    """This rank's rows ``[start, stop)`` of dim 0: ``Shard(0)`` splits them with
-    ``torch.chunk`` semantics over its mesh dimension (replicas read the same rows)."""
-    shards = [(dim, p) for dim, p in enumerate(tensor.placements) if isinstance(p, Shard)]
-    if not shards:
-        return 0, tensor.shape[0] if tensor.dim() else 1
-    if len(shards) > 1 or shards[0][1].dim != 0:
-        raise OverlapConfigError(
-            f"load_pretrained: a parameter placed as {tensor.placements}; only Shard(0) layouts "
-            "(FSDP2's and this plugin's) are read."
-        )
-    mesh_dim = shards[0][0]
-    rows = tensor.shape[0]
-    chunk = math.ceil(rows / tensor.device_mesh.size(mesh_dim))
-    start = min(tensor.device_mesh.get_local_rank(mesh_dim) * chunk, rows)
-    return start, start + tensor.to_local().shape[0]
