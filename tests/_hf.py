@@ -121,18 +121,20 @@ def train_sharded(
     return losses
 
 
-def train_reference(model, data: list[torch.Tensor], lr: float) -> tuple[list[float], dict]:
-    """The same SGD on a copy of ``model`` in one process, on whole batches: ``(losses,
-    final full parameters)``."""
+def train_reference(
+    model, data: list[torch.Tensor], lr: float, *, optimizer=None, loss_fn=None
+) -> tuple[list[float], dict]:
+    """The same SGD (or ``optimizer(params)``) on a copy of ``model`` in one process, on
+    whole batches: ``(losses, final full parameters)``."""
     import copy
 
     from _train import full_params
 
     model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=lr)))(model.parameters())
     losses = []
     for ids in data:
-        value = loss(model, ids)
+        value = (loss_fn or loss)(model, ids)
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -48,12 +48,14 @@ def train_sharded(
     lr: float = LR,
     clip: float | None = None,
     same_batch: bool = False,
+    data: list | None = None,
 ) -> list[float]:
-    """SGD on this rank's half of each batch; returns the global mean loss per step.
-    ``same_batch`` repeats the first batch, so the loss must go down."""
+    """SGD on this rank's part of each batch (``data``, default ``batches(steps)``);
+    returns the global mean loss per step. ``same_batch`` repeats the first batch, so the
+    loss must go down."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    data = batches(steps, model_vocab(model))
+    data = data if data is not None else batches(steps, model_vocab(model))
     if same_batch:
         data = [data[0]] * steps
     for x, y in data:
@@ -69,11 +71,13 @@ def train_sharded(
     return losses
 
 
-def train_reference(model, steps: int = STEPS, lr: float = LR, clip: float | None = None) -> tuple[list[float], dict]:
+def train_reference(
+    model, steps: int = STEPS, lr: float = LR, clip: float | None = None, data: list | None = None
+) -> tuple[list[float], dict]:
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for x, y in batches(steps, model_vocab(model)):
+    for x, y in data if data is not None else batches(steps, model_vocab(model)):
         loss = loss_fn(model(x), y)
         loss.backward()
         if clip is not None:

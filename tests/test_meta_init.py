@@ -192,24 +192,20 @@ def test_load_pretrained_names_what_it_cannot_load(tmp_path):
 
 
 # ----------------------------------------------------------------- 2 gloo ranks
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
 def _reference(folder: str, data: list[torch.Tensor]) -> list[float]:
     """``from_pretrained`` in one process, AdamW on whole batches."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for ids in data:
-        loss = _hf.loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return _hf.train_reference(model, data, LR, optimizer=_adamw)[0]
 
 
 def _train(model, rank, world, data, backward=None, optimizer=None) -> list[float]:
-    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = optimizer or _adamw(model.parameters())
     return _hf.train_sharded(model, rank, world, data, LR, optimizer=opt, backward=backward)
 
 
@@ -289,9 +285,10 @@ def _core_loaded(rank: int, world: int, family: str, folder: str, data: list) ->
     }
 
 
-def _lightning_loaded(rank: int, world: int, family: str, folder: str, data: list, root: str) -> dict:
-    """examples/hf_lightning.py's module with weights: configure_model on meta, the
-    strategy materializes, on_fit_start loads the shards."""
+def _lightning_fit(rank: int, world: int, family: str, data: list, root: str, **module) -> dict:
+    """examples/hf_lightning.py's module built on meta in configure_model (``weights``: a
+    checkpoint loaded into the shards in on_fit_start; ``meta=True``: none), materialized by
+    the strategy; this rank's slices of ``data``, one batch per step."""
     import torch._dynamo
     from _lightning import trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -302,38 +299,13 @@ def _lightning_loaded(rank: int, world: int, family: str, folder: str, data: lis
     import hf_lightning
 
     torch._dynamo.reset()
-    lit = hf_lightning.CausalLMModule(weights=folder, lr=LR)
+    lit = hf_lightning.CausalLMModule(lr=LR, **module)
     assert lit.model is None  # nothing built before configure_model
-    local = torch.cat([local_slice(ids, rank, world) for ids in data])
-    tr = trainer(
-        root,
-        max_epochs=1,
-        strategy=FSDPOverlapStrategy(backend="aot_eager"),
-        precision="32-true",
-        use_distributed_sampler=False,
-    )
-    tr.fit(lit, DataLoader(TensorDataset(local), batch_size=len(local) // len(data)))
-    return {"losses": lit.all_losses, "buffers_equal": _buffers_equal_normal_build(lit.model, family)}
-
-
-def _lightning_random(rank: int, world: int, data: list, root: str) -> dict:
-    """examples/hf_lightning.py --meta: configure_model on meta, no checkpoint."""
-    import torch._dynamo
-    from _lightning import trainer
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    import hf_lightning
-
-    torch._dynamo.reset()
-    lit = hf_lightning.CausalLMModule(_hf.config("llama"), lr=LR, meta=True)
     local = torch.cat([local_slice(ids, rank, world) for ids in data])
     strategy = FSDPOverlapStrategy(backend="aot_eager")
     tr = trainer(root, max_epochs=1, strategy=strategy, precision="32-true", use_distributed_sampler=False)
     tr.fit(lit, DataLoader(TensorDataset(local), batch_size=len(local) // len(data)))
-    return {"losses": lit.all_losses, "buffers_equal": _buffers_equal_normal_build(lit.model, "llama")}
+    return {"losses": lit.all_losses, "buffers_equal": _buffers_equal_normal_build(lit.model, family)}
 
 
 def _fabric_loaded(rank: int, world: int, family: str, folder: str, data: list) -> dict:
@@ -389,6 +361,10 @@ class _Scaled(nn.Module):
         return self.inner(x) * self.gain
 
 
+def _square_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
 def _warn_then_load(rank: int, world: int, path: str) -> dict:
     """on_uninitialized: warn through parallelize's config: zeros, then a plain safetensors
     file fills them; two SGD steps equal the unsharded model loaded the same way."""
@@ -408,7 +384,7 @@ def _warn_then_load(rank: int, world: int, path: str) -> dict:
     fo.load_pretrained(model, path)
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(4, 8, generator=g) for _ in range(2)]
-    losses = _hf.train_sharded(model, rank, world, xs, 0.1, loss_fn=lambda m, x: m(x).square().mean())
+    losses = _hf.train_sharded(model, rank, world, xs, 0.1, loss_fn=_square_loss)
     return {"warned": warned, "zero": zero, "losses": losses, "xs": xs}
 
 
@@ -420,13 +396,14 @@ def _all(rank: int, world: int, folders: dict, data: list, root: str, plain: str
         out[family] = {
             "random": _core_random(rank, world, family),
             "core": _core_loaded(rank, world, family, folder, data),
-            "lightning": _lightning_loaded(rank, world, family, folder, data, f"{root}/{family}"),
+            "lightning": _lightning_fit(rank, world, family, data, f"{root}/{family}", weights=folder),
             "fabric": _fabric_loaded(rank, world, family, folder, data),
             "accelerate": _accelerate_loaded(rank, world, family, folder, data),
         }
     out["warn"] = _warn_then_load(rank, world, plain)
     out["on_shards"] = _core_on_shards(rank, world)
-    out["lightning_random"] = _lightning_random(rank, world, data, f"{root}/random")
+    llama = _hf.config("llama")
+    out["lightning_random"] = _lightning_fit(rank, world, "llama", data, f"{root}/random", config=llama, meta=True)
     return out
 
 
@@ -508,15 +485,8 @@ def test_weights_loaded_into_the_shards_train_like_from_pretrained(results, fami
 
 @pytest.mark.slow
 def test_on_uninitialized_warn_trains_after_a_checkpoint_fills_them(results):
-    plain = results["plain"]
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    want = []
-    for x in results["ranks"][0]["warn"]["xs"]:
-        loss = plain(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    xs = results["ranks"][0]["warn"]["xs"]
+    want, _ = _hf.train_reference(results["plain"], xs, 0.1, loss_fn=_square_loss)
     for rank in results["ranks"]:
         warn = rank["warn"]
         assert len(warn["warned"]) == 1 and "gain" in warn["warned"][0] and warn["zero"]

@@ -47,26 +47,13 @@ def _batches():
 
 
 def _train(rank: int, world: int, backend: str) -> dict:
-    import torch.distributed as dist
-    from _train import full_params
+    from _train import full_params, train_sharded
 
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.models import loss_fn
 
     model = fo.parallelize(_model(), backend=backend)
     shards = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    per = GLOBAL_BATCH // world
-    mine = slice(rank * per, (rank + 1) * per)
-    losses = []
-    for x, y in _batches():
-        loss = loss_fn(model(x[mine]), y[mine])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
+    losses = train_sharded(model, rank, world, lr=LR, data=_batches())
     report = fo.schedule_report(model)
     return {
         "losses": losses,
@@ -79,18 +66,9 @@ def _train(rank: int, world: int, backend: str) -> dict:
 
 
 def _reference() -> list[float]:
-    from fsdp_overlap_plugin.models import loss_fn
+    from _train import train_reference
 
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _batches():
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return train_reference(_model(), lr=LR, data=_batches())[0]
 
 
 def _run_twice(cache: str, backend: str, world: int) -> tuple[list[dict], list[dict]]:
