@@ -722,8 +722,8 @@ def analyze(
     ``kind``: unbucketed, large, small, no_params, ignored, config). Raises
     ``OverlapConfigError`` (plan, mesh or activation-checkpointing problems).
     """
+    from .activation_checkpointing import checkpointed_modules
     from .parallelize import unbucketed_parameters
-    from .sharding import resolve_activation_checkpointing
 
     loaded = loaded or LoadedConfig(config)
     warn_list: list[dict[str, Any]] = [{"kind": "config", "buckets": [], "message": m} for m in loaded.warnings]
@@ -745,13 +745,11 @@ def analyze(
                 "message": f"{loaded.key('bucket_bytes')} is set but only read when bucket_plans is auto; it is ignored.",
             }
         )
-    checkpointed: list[str] = []
-    if config.activation_checkpointing:
-        # The same resolver parallelize() uses; on a throw-away meta model it only wraps forwards.
-        try:
-            checkpointed = resolve_activation_checkpointing(model, config.activation_checkpointing)
-        except OverlapConfigError as exc:
-            raise OverlapConfigError(loaded.rename(str(exc))) from None
+    # The same resolver parallelize() uses (the listed modules, transformers' own switch, the policy).
+    try:
+        checkpointed, _ = checkpointed_modules(model, config)
+    except OverlapConfigError as exc:
+        raise OverlapConfigError(loaded.rename(str(exc))) from None
     rows = _bucket_rows(model, config, plan)
     sizes = [r["gather_bytes"] for r in rows]
     median = statistics.median(sizes) if sizes else 0
@@ -1142,7 +1140,10 @@ def cmd_check(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]
         lines.append(f"plan    {len(rows)} buckets from {loaded.key('bucket_plans')}")
     lines += _bucket_lines(rows, args.expand)
     if result["activation_checkpointing"]:
-        lines.append(f"activation checkpointing: {', '.join(result['activation_checkpointing'])}")
+        lines.append(
+            f"activation checkpointing ({config.activation_checkpointing_policy}): "
+            f"{', '.join(result['activation_checkpointing'])}"
+        )
     lines += _memory_lines(result, config)
     lines += _warning_lines(result)
     passes = [name for name in ("manual_bucketing", "overlap_grad_reduce") if getattr(config, name)]

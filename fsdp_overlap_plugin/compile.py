@@ -93,6 +93,7 @@ class OverlapState:
     param_entries: dict[str, int | None] = field(default_factory=dict)  # parameter FQN -> its plan entry
     compile_cache: list[dict] = field(default_factory=list)  # per Dynamo graph: what inductor's caches did
     local_layout: str = ""  # digest of this rank's shard shapes (they differ across ranks when uneven)
+    checkpointed: list[str] = field(default_factory=list)  # modules whose forward is recomputed in backward
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph; the same on
@@ -146,6 +147,7 @@ def _pass_uuid(state: OverlapState) -> str:
         "world": state.world_size,
         "mesh": list(state.mesh_shape),
         "gather_group": state.gather_group,
+        "checkpointed": state.checkpointed,
         "source": _SOURCE_DIGEST,
         "torch": torch.__version__,
     }
@@ -240,7 +242,13 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
 
 
 def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
+    """The joint-graph passes: activation-checkpointing recompute tags, then the
+    reshard tags of the parameter gathers (which override the first inside a region)."""
     config = state.config
+    checkpointing = None
+    if state.checkpointed:
+        checkpointing = passes.annotate_activation_checkpointing(gm, config.activation_checkpointing_policy)
+        _warn_untraced_checkpoints(state, checkpointing)
     stats = passes.annotate_reshard(
         gm,
         state.plan,
@@ -253,8 +261,25 @@ def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
     from .records import save_record
 
     record = {"graph": "joint", "graph_id": state.graph_id, **stats}
+    if checkpointing is not None:
+        record["checkpointing"] = checkpointing
     state.reshard.append(record)
     save_record(state.cache_key(), record, rank=state.rank)  # for the report after a cache hit
+
+
+def _warn_untraced_checkpoints(state: OverlapState, stats: dict) -> None:
+    """With one graph for the whole forward, every checkpointed module that ran is in it:
+    one that is not was never called there, and checkpointing it does nothing."""
+    if not state.config.fullgraph:
+        return  # graph breaks: each graph holds some of the modules
+    missing = [m for m in state.checkpointed if m not in stats["regions"]]
+    if missing and "untraced-checkpoints" not in state.warned:
+        state.warned.add("untraced-checkpoints")
+        warnings.warn(
+            f"fsdp-overlap: activation_checkpointing lists {', '.join(missing)}, which the compiled forward "
+            "never ran: nothing is recomputed for them. Check the module names in activation_checkpointing.",
+            stacklevel=2,
+        )
 
 
 class OverlapGraphPass(CustomInferenceAwareGraphPass):

@@ -36,6 +36,7 @@ _DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
 }
 _BACKENDS = ("inductor", "aot_eager")
 _REDUCE_SCATTER_IMPLS = ("native", "all_to_all")
+AC_POLICIES = ("full", "matmuls_saved")  # passes/checkpointing.py implements each
 _RANK_CHECK = ("error", "warn", "off")
 _ON_COMPILE_ERROR = ("raise", "eager")
 _ON_UNBUCKETED = ("error", "warn")
@@ -218,7 +219,13 @@ class OverlapConfig:
     """Data-parallel mesh, {shard: -1, replicate: 1}; replicate > 1 means HSDP."""
 
     activation_checkpointing: list = field(default_factory=list)
-    """Module FQNs or patterns ("layers.*") whose forward is recomputed in backward."""
+    """Module FQNs or patterns ("layers.*") whose forward is recomputed in backward. A
+    transformers model's own gradient_checkpointing_enable() adds the layers it flagged."""
+
+    activation_checkpointing_policy: str = "full"
+    """What a checkpointed module keeps for backward: "full" (only its input; everything
+    is recomputed) or "matmuls_saved" (also the outputs of matrix multiplications and
+    attention; norms, activations and elementwise ops are recomputed)."""
 
     separate_gather_group: bool | None = None
     """Run parameter all-gathers on their own process group so a reduce-scatter issued earlier
@@ -346,6 +353,7 @@ class OverlapConfig:
             ("on_compile_error", _ON_COMPILE_ERROR),
             ("on_unbucketed", _ON_UNBUCKETED),
             ("on_uninitialized", ON_UNINITIALIZED),
+            ("activation_checkpointing_policy", AC_POLICIES),
         ):
             value = getattr(self, name)
             if value not in choices:

@@ -9,18 +9,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import accelerators, hf
+from .activation_checkpointing import (
+    apply_activation_checkpointing,
+    checkpointed_modules,
+    switch_off_transformers_checkpointing,
+)
 from .compile import _STATE_ATTR, OverlapState, compile_model, local_layout, model_fingerprint
 from .config import OverlapConfig, OverlapConfigError
 from .passes.plan_index import BucketIndex
 from .plan import resolve_plan
-from .sharding import (
-    apply_activation_checkpointing,
-    build_gather_group,
-    build_mesh,
-    fully_shard_plan,
-    resolve_activation_checkpointing,
-    shard_parameters,
-)
+from .sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
 
 __all__ = ["parallelize", "unbucketed_parameters"]
 
@@ -73,7 +71,7 @@ def parallelize(
         mesh = None
     config = OverlapConfig.coerce(config, **overrides)
     plan = resolve_plan(model, config)  # pure: every rank raises the same error here
-    checkpointed = resolve_activation_checkpointing(model, config.activation_checkpointing)
+    checkpointed, checkpoint_notes = checkpointed_modules(model, config)  # pure, like the plan
     if mesh is None:
         device_type = accelerators.detect_device_type()
         mesh = build_mesh(config, device_type)
@@ -97,8 +95,12 @@ def parallelize(
         last_bucket=max((e for e in entries.values() if e is not None), default=None),
         param_entries=entries,
     )
+    state.adjustments.extend(checkpoint_notes)
+    switch_off_transformers_checkpointing(model)
     if checkpointed:
-        apply_activation_checkpointing(model, checkpointed)
+        state.checkpointed = apply_activation_checkpointing(
+            model, checkpointed, config.activation_checkpointing_policy, compiled=config.compile
+        )
     if config.compile:
         state.adjustments.extend(hf.prepare_for_compile(model))
         shard_parameters(model, mesh, config)

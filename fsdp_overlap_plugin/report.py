@@ -200,6 +200,7 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
         },
         "plan": state.plan,
         "reshard": reshard_total(state.reshard),
+        "activation_checkpointing": checkpointing_total(state),
         "unbucketed_params": state.unbucketed_params,
         "adjustments": list(state.adjustments),
         "config": config.to_dict(),
@@ -226,6 +227,22 @@ def reshard_total(graphs: list[dict]) -> dict:
         "tied": [t for g in graphs for t in g.get("tied") or []],
         "graphs": len(graphs),
         "from_cache": all(g.get("from_cache") for g in graphs),
+    }
+
+
+def checkpointing_total(state: Any) -> dict:
+    """Activation checkpointing: the modules, the policy, and what the joint-graph pass
+    tagged over all joint graphs ({} when nothing is checkpointed)."""
+    if not state.checkpointed:
+        return {}
+    graphs = [g["checkpointing"] for g in state.reshard if g.get("checkpointing")]
+    traced = list(dict.fromkeys(m for g in graphs for m in g["regions"]))
+    return {
+        "modules": list(state.checkpointed),
+        "policy": state.config.activation_checkpointing_policy,
+        "traced": traced,
+        "recompute": sum(g["recompute"] for g in graphs),
+        "saved_by_policy": sum(g["saved_by_policy"] for g in graphs),
     }
 
 
@@ -395,6 +412,14 @@ def format_report(report: dict[str, Any]) -> str:
                     else "re-gathered once in the backward"
                 )
             )
+    ac = report.get("activation_checkpointing") or {}
+    if ac:
+        modules = ac["modules"]
+        names = ", ".join(modules) if len(modules) <= 3 else f"{modules[0]}, ..., {modules[-1]}"
+        line = f"  activation checkpointing ({ac['policy']}): {len(modules)} modules ({names})"
+        if ac["traced"] or ac["recompute"]:
+            line += f"; {ac['recompute']} forward ops recomputed in backward, {ac['saved_by_policy']} saved"
+        lines.append(line)
     if report.get("unbucketed_params"):
         lines.append(f"  parameters in no bucket (gathered one by one): {', '.join(report['unbucketed_params'])}")
     for note in report.get("adjustments") or []:

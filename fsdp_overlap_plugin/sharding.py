@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from .config import OverlapConfig, OverlapConfigError
 from .passes.graph import PARAM_KEY
-from .plan import expand_pattern
 
 try:  # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]
     from torch.fx.traceback import annotate as _annotate
@@ -40,8 +39,6 @@ except ImportError:  # pragma: no cover - older torch: module paths are the only
     _annotate = None
 
 __all__ = [
-    "apply_activation_checkpointing",
-    "resolve_activation_checkpointing",
     "row_range",
     "build_gather_group",
     "build_mesh",
@@ -225,42 +222,6 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) 
         # per module that holds it; each read is attributed to the module that read it.
         module._fsdp_overlap_fqns = {name: f"{prefix}.{name}" if prefix else name for name in names}
     return model
-
-
-def resolve_activation_checkpointing(model: nn.Module, patterns: list[str]) -> list[str]:
-    """The module FQNs that ``patterns`` name, in module order; an error names a pattern
-    that matches nothing. Pure: every rank raises the same error before any collective."""
-    from .config import suggest
-
-    names = [n for n, _ in model.named_modules() if n]
-    known = set(names)
-    chosen: list[str] = []
-    for i, pattern in enumerate(patterns):
-        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
-        if not found or found[0] not in known:
-            raise OverlapConfigError(
-                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
-            )
-        chosen.extend(f for f in found if f not in chosen)
-    return chosen
-
-
-def apply_activation_checkpointing(model: nn.Module, fqns: list[str]) -> list[str]:
-    """Recompute the forward of the modules ``fqns`` in backward.
-
-    The module tree is left as it is (no wrapper module), so FQNs, plans and state-dict
-    keys do not change: the module's ``forward`` is replaced on the instance by one that
-    runs the original under ``torch.utils.checkpoint``.
-    """
-    for fqn in fqns:
-        module = model.get_submodule(fqn)
-        original = module.forward
-
-        def checkpointed(*args, _original=original, **kwargs):
-            return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False, **kwargs)
-
-        module.forward = checkpointed
-    return fqns
 
 
 def fully_shard_plan(

@@ -33,11 +33,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import accelerators
+from ..activation_checkpointing import resolve_activation_checkpointing
 from ..compile import get_state
-from ..config import OverlapConfig, OverlapConfigError, suggest
+from ..config import OverlapConfig, OverlapConfigError
 from ..initialize import materialize
 from ..parallelize import parallelize
-from ..plan import expand_pattern, resolve_plan
+from ..plan import resolve_plan
 from ..sharding import build_mesh, is_sharded
 from .config import (
     AccelerateSettings,
@@ -184,7 +185,7 @@ def prepare(
     try:
         # Pure checks: a wrong module name fails here, on every rank, before any collective.
         resolve_plan(model, cfg)
-        _check_checkpointed_modules(model, cfg.activation_checkpointing)
+        resolve_activation_checkpointing(model, cfg.activation_checkpointing)
     except OverlapConfigError as exc:
         raise rename_error(exc, where, prefixed) from None
 
@@ -223,18 +224,6 @@ def prepare(
             log.warning("fsdp-overlap: %s: using the defaults and Accelerate's settings.", source)
         log.info("fsdp-overlap: configuration from %s; plan of %d buckets", source, len(get_state(model).plan))
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
-
-
-def _check_checkpointed_modules(model: nn.Module, patterns: list[str]) -> None:
-    """The check ``parallelize`` makes when it applies activation checkpointing, made
-    earlier: it runs after the mesh (a collective) is built."""
-    names = [n for n, _ in model.named_modules() if n]
-    for i, pattern in enumerate(patterns):
-        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
-        if not found or found[0] not in set(names):
-            raise OverlapConfigError(
-                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
-            )
 
 
 def _check_accelerator(accelerator: Any) -> None:

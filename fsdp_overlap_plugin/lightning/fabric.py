@@ -89,6 +89,7 @@ class FabricStrategyMixin(StrategyBase):
         fullgraph: bool | None = None,
         mesh: dict | None = None,
         activation_checkpointing: list | None = None,
+        activation_checkpointing_policy: str | None = None,
         separate_gather_group: bool | None = None,
         reduce_scatter_impl: str | None = None,
         rank_check: str | None = None,

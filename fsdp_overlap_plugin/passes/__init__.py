@@ -1,5 +1,6 @@
 """Compiler passes: pure FX -> FX functions. No process-group calls, no tensor values.
 
+* ``annotate_activation_checkpointing``  joint graph: recompute tags of checkpointed modules
 * ``annotate_reshard``      joint graph: reshard-after-forward recompute tags per bucket
 * ``merge_tied_reductions``  backward: one gradient reduction per tied parameter
 * ``manual_bucketing``      merge each plan entry's collectives, prefetch one bucket ahead
@@ -11,12 +12,14 @@
 
 from .all_to_all import reduce_scatter_as_all_to_all
 from .bucketing import manual_bucketing, use_gather_group
+from .checkpointing import annotate_activation_checkpointing
 from .grad_overlap import overlap_grad_reduce
 from .pin import pin_collective_order
 from .reshard import annotate_reshard
 from .tied import merge_tied_reductions
 
 __all__ = [
+    "annotate_activation_checkpointing",
     "annotate_reshard",
     "manual_bucketing",
     "merge_tied_reductions",

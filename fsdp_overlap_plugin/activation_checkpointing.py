@@ -1,0 +1,180 @@
+"""Activation checkpointing: which modules, and how their forward is recomputed.
+
+The module tree is left as it is (no wrapper module), so FQNs, plans and state-dict keys
+do not change: each checkpointed module's ``forward`` is replaced on the instance.
+
+* Compiled (``compile: true``): the forward runs inside
+  ``torch.fx.traceback.annotate({AC_KEY: fqn})``; the joint-graph pass
+  ``passes.checkpointing`` turns the marks into recompute tags. Under ``torch.compile``,
+  ``torch.utils.checkpoint`` around a module whose parameters are gathered DTensors fails
+  in AOT autograd (it saves the ``DeviceMesh`` for backward); the tags give the same
+  recompute with the gathers as ordinary nodes, which the reshard pass and the bucketing
+  then treat like any other.
+* Eager (``compile: false``, and any call that is not being compiled):
+  ``torch.utils.checkpoint`` (non-reentrant), with a selective-checkpoint context for
+  ``matmuls_saved``.
+
+``checkpointed_modules`` takes over a transformers model's own switch
+(``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()``): the layers it
+flagged join the list, and transformers' own checkpoint call is turned off, so there is
+one mechanism.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from . import hf
+from .config import OverlapConfigError, suggest
+from .passes.checkpointing import AC_KEY, SAVED_OPS
+from .plan import expand_pattern
+
+try:  # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]
+    from torch.fx.traceback import annotate as _annotate
+except ImportError:  # pragma: no cover - older torch
+    _annotate = None
+
+__all__ = [
+    "apply_activation_checkpointing",
+    "checkpointed_modules",
+    "resolve_activation_checkpointing",
+    "switch_off_transformers_checkpointing",
+]
+
+_WRAPPED_ATTR = "_fsdp_overlap_checkpointed"
+
+
+def resolve_activation_checkpointing(model: nn.Module, patterns: list[str]) -> list[str]:
+    """The module FQNs that ``patterns`` name, in module order; an error names a pattern
+    that matches nothing. Pure: every rank raises the same error before any collective."""
+    names = [n for n, _ in model.named_modules() if n]
+    known = set(names)
+    chosen: list[str] = []
+    for i, pattern in enumerate(patterns):
+        found = expand_pattern(pattern, names) if any(c in pattern for c in "*?[") else [pattern]
+        if not found or found[0] not in known:
+            raise OverlapConfigError(
+                f"activation_checkpointing[{i}]: no module matches {pattern!r}.{suggest(pattern, names)}"
+            )
+        chosen.extend(f for f in found if f not in chosen)
+    return chosen
+
+
+def _selective_context(policy: str):
+    if policy == "full":
+        return None
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def decide(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, decide)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, fqns: list[str], policy: str = "full", *, compiled: bool = True
+) -> list[str]:
+    """Recompute the forward of the modules ``fqns`` in backward (see the module doc).
+    A module nested in another listed one is checkpointed with its outer module only."""
+    if compiled and _annotate is None:  # pragma: no cover - torch < 2.9
+        raise OverlapConfigError(
+            f"activation_checkpointing with compile: true needs torch.fx.traceback.annotate "
+            f"(torch >= 2.9); this is torch {torch.__version__}. Set compile: false or upgrade torch."
+        )
+    outer = [f for f in fqns if not any(f.startswith(o + ".") for o in fqns if o != f)]
+    context_fn = _selective_context(policy)
+    for fqn in outer:
+        module = model.get_submodule(fqn)
+        if getattr(module, _WRAPPED_ATTR, False):
+            continue
+        original = module.forward
+
+        def checkpointed(*args, _original=original, _fqn=fqn, **kwargs):
+            if compiled and torch.compiler.is_compiling():
+                with _annotate({AC_KEY: _fqn}):
+                    return _original(*args, **kwargs)
+            extra = {"context_fn": context_fn} if context_fn is not None else {}
+            return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False, **extra, **kwargs)
+
+        module.forward = checkpointed
+        setattr(module, _WRAPPED_ATTR, True)
+    return outer
+
+
+def checkpointed_modules(model: nn.Module, config) -> tuple[list[str], list[str]]:
+    """Every module to checkpoint: ``config.activation_checkpointing`` resolved, then the
+    layers a transformers model's own switch flagged; and notes for the report. Pure (the
+    model is not changed; ``parallelize`` then calls ``switch_off_transformers_checkpointing``):
+    ``parallelize`` and ``fsdp-overlap check`` both call it, so they raise the same errors."""
+    chosen = resolve_activation_checkpointing(model, config.activation_checkpointing)
+    notes = []
+    for prefix, layers in _transformers_flagged(model):
+        chosen.extend(f for f in layers if f not in chosen)
+        where = f"{prefix}: " if prefix else ""
+        notes.append(
+            f"{where}transformers gradient checkpointing ({len(layers)} layers) runs as activation_checkpointing "
+            f"{_summarize(layers)}: transformers' own checkpoint call is off"
+        )
+    if config.activation_checkpointing_policy != "full" and not chosen:
+        raise OverlapConfigError(
+            f"activation_checkpointing_policy: {config.activation_checkpointing_policy!r} applies to the "
+            "checkpointed modules, and activation_checkpointing lists none. List them (for example "
+            '["layers.*"]) or remove the policy.'
+        )
+    return chosen, notes
+
+
+def _transformers_flagged(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """Per transformers model in ``model`` whose own gradient checkpointing is on: its
+    FQN and the FQNs (in ``model``) of the layers it would recompute.
+
+    ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing = True`` on each
+    ``GradientCheckpointingLayer`` (every ``every_n_layers``-th one) and has their forward
+    call ``torch.utils.checkpoint``, which fails under ``torch.compile`` on sharded
+    parameters; those layers are checkpointed the plugin's way instead. A model that
+    flags other modules only (a pre-``GradientCheckpointingLayer`` model whose own forward
+    calls the checkpoint) cannot be taken over: an error says which key to use."""
+    found = []
+    for prefix, hf_model in hf.outermost_transformers_models(model):
+        flagged = [
+            (name, module)
+            for name, module in hf_model.named_modules()
+            if getattr(module, "gradient_checkpointing", False) is True
+        ]
+        if not flagged:
+            continue
+        layers = [
+            ".".join(p for p in (prefix, name) if p) for name, module in flagged if _is_checkpointing_layer(module)
+        ]
+        if not layers:
+            others = ", ".join(".".join(p for p in (prefix, n) if p) or "<root>" for n, _ in flagged)
+            raise OverlapConfigError(
+                f"{type(hf_model).__name__}: gradient_checkpointing_enable() flagged {others}, whose forward "
+                "calls torch.utils.checkpoint itself, which does not compile on sharded parameters. Call "
+                "gradient_checkpointing_disable() and list the blocks in activation_checkpointing instead "
+                "(Accelerate: fsdp_activation_checkpointing: true)."
+            )
+        found.append((prefix, layers))
+    return found
+
+
+def switch_off_transformers_checkpointing(model: nn.Module) -> None:
+    """Turn off transformers' own checkpoint call in every model ``_transformers_flagged``
+    found (its layers are checkpointed by ``apply_activation_checkpointing`` instead)."""
+    for _, hf_model in hf.outermost_transformers_models(model):
+        for module in hf_model.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                module.gradient_checkpointing = False
+        if getattr(hf_model, "_require_grads_hook", None) is not None:
+            hf_model.disable_input_require_grads()  # its hook only fed transformers' checkpoint
+
+
+def _is_checkpointing_layer(module: nn.Module) -> bool:
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+
+
+def _summarize(fqns: list[str]) -> str:
+    return f"[{fqns[0]}, ..., {fqns[-1]}]" if len(fqns) > 2 else str(fqns)
