@@ -40,11 +40,13 @@ def global_batches(steps: int, world: int = 2) -> list[torch.Tensor]:
     return list(tokens.split(BATCH_PER_RANK * world))
 
 
-def _core_reference(rank: int, world: int, steps: int, family: str = "llama") -> list[float]:
+def _core_reference(rank: int, world: int, steps: int, family: str = "llama", checkpointed: tuple = ()) -> list[float]:
     """The example's training through the core ``parallelize()`` and plain torch (no
     Accelerate): the same seeded model, this rank's slice of each global batch, AdamW,
     clipping; the mean loss over ranks per step."""
-    model = fo.parallelize(_hf.build(family, seed=0), OverlapConfig(backend="aot_eager"))
+    model = fo.parallelize(
+        _hf.build(family, seed=0), OverlapConfig(backend="aot_eager", activation_checkpointing=list(checkpointed))
+    )
     batches = [(ids,) for ids in global_batches(steps, world)]
     return core_losses(model, batches, rank, world, BATCH_PER_RANK, LR, MAX_GRAD_NORM, loss=_hf.loss)
 
@@ -101,6 +103,29 @@ def test_launch_trains_the_transformers_model_like_core_parallelize(tmp_path, fa
     assert reference[0] == reference[1]
     assert losses == reference[0], (losses, reference[0])  # bitwise
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_fsdp_activation_checkpointing_true_checkpoints_each_layer(tmp_path):
+    """Accelerate's own key: every decoder layer recomputed in backward; the losses are the
+    core's with activation_checkpointing of the same layers (which equal the losses without
+    it: tests/test_activation_checkpointing.py)."""
+    config_json = tmp_path / "config.json"
+    _hf.config("llama").to_json_file(config_json)
+    yaml_path = copy_yaml(tmp_path / "hf.yaml", fsdp_overlap_backend="aot_eager", fsdp_activation_checkpointing=True)
+    metrics = tmp_path / "metrics.json"
+    proc = hf_launch(yaml_path, "--config-json", str(config_json), "--steps", str(STEPS), "--metrics", str(metrics))
+    text = output(proc)
+    assert proc.returncode == 0, text[-6000:]
+    assert "activation checkpointing (full): 2 modules (model.layers.0, model.layers.1)" in proc.stdout
+    result = json.loads(metrics.read_text())
+    report = result["report"]
+    assert report["config"]["activation_checkpointing"] == ["model.layers.0", "model.layers.1"]
+    assert report["activation_checkpointing"]["traced"] == ["model.layers.0", "model.layers.1"]
+    _assert_bucketed(report, "llama")
+    assert report["backward"]["after"]["all_gather"] == 2  # each layer's bucket re-gathered once
+    losses = [result["losses"][str(step)] for step in range(STEPS)]
+    reference = run_ranks(_core_reference, STEPS, "llama", ("model.layers.*",), world=2, env={"OMP_NUM_THREADS": "1"})
+    assert losses == reference[0], (losses, reference[0])  # bitwise
 
 
 def test_weights_from_a_save_pretrained_checkpoint_are_used(tmp_path):

@@ -184,6 +184,29 @@ def _precision(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def _checkpointing(rank: int, world: int, root: str) -> dict:
+    """bf16-mixed with activation checkpointing of every block, vs the core with the same."""
+    data = dataset(8)
+    torch._dynamo.reset()
+    lit = LitGPT(seed=0, **GPT)
+    tr = trainer(root, max_epochs=1, strategy=_strategy(activation_checkpointing=["blocks.*"]), precision="bf16-mixed")
+    tr.fit(lit, loader(data))
+    core = core_run(
+        _core_model(0),
+        rank_batches(data, rank, world, 1),
+        param_dtype="bf16",
+        autocast=torch.bfloat16,
+        reduce_dtype="fp32",
+        activation_checkpointing=["blocks.*"],
+        **FAST,
+    )
+    return {
+        "losses": lit.losses,
+        "core": core["losses"],
+        "checkpointing": tr.strategy.schedule_report["activation_checkpointing"],
+    }
+
+
 def _configure_model(rank: int, world: int, root: str) -> dict:
     """A model built on the meta device in configure_model, materialized on the shards."""
     data = dataset(8)
@@ -289,6 +312,7 @@ def _all(rank: int, world: int, root: str) -> dict:
         ("clipping", _clipping),
         ("accumulation", _accumulation),
         ("precision", _precision),
+        ("checkpointing", _checkpointing),
         ("configure_model", _configure_model),
         ("plain", _plain_string),
         ("bypass", _bypass),
@@ -383,6 +407,15 @@ def test_bf16_mixed_matches_core_with_same_dtypes(results):
         fp32 = r["precision"]["fp32"]
         assert max(abs(a - b) for a, b in zip(mixed["losses"], fp32)) > 1e-4  # bf16 really was used
         assert all(math.isfinite(x) for x in mixed["losses"])
+
+
+def test_bf16_mixed_with_activation_checkpointing_matches_core(results):
+    for r in results:
+        run = r["checkpointing"]
+        assert run["losses"] == run["core"], (run["losses"], run["core"])
+        assert run["losses"] == r["precision"]["mixed"]["losses"]  # recomputing changes no number
+        assert run["checkpointing"]["modules"] == ["blocks.0", "blocks.1"]  # the LightningModule's model
+        assert run["checkpointing"]["traced"] == run["checkpointing"]["modules"]
 
 
 def test_validation_during_fit_and_trainer_validate(results):

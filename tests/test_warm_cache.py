@@ -46,12 +46,12 @@ def _batches():
     return fixed_batches(STEPS, GLOBAL_BATCH, 16, VOCAB)
 
 
-def _train(rank: int, world: int, backend: str) -> dict:
+def _train(rank: int, world: int, backend: str, config: dict | None = None) -> dict:
     from _train import full_params, train_sharded
 
     import fsdp_overlap_plugin as fo
 
-    model = fo.parallelize(_model(), backend=backend)
+    model = fo.parallelize(_model(), backend=backend, **(config or {}))
     shards = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
     losses = train_sharded(model, rank, world, lr=LR, data=_batches())
     report = fo.schedule_report(model)
@@ -71,10 +71,10 @@ def _reference() -> list[float]:
     return train_reference(_model(), lr=LR, data=_batches())[0]
 
 
-def _run_twice(cache: str, backend: str, world: int) -> tuple[list[dict], list[dict]]:
+def _run_twice(cache: str, backend: str, world: int, config: dict | None = None) -> tuple[list[dict], list[dict]]:
     env = {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-    cold = run_ranks(_train, backend, world=world, env=env)
-    warm = run_ranks(_train, backend, world=world, env=env)
+    cold = run_ranks(_train, backend, config, world=world, env=env)
+    warm = run_ranks(_train, backend, config, world=world, env=env)
     return cold, warm
 
 
@@ -100,6 +100,23 @@ def test_inductor_second_run_is_a_cache_hit_with_the_same_numbers(tmp_path, worl
         assert all(c["fx_graph"] == {"hit": 2, "miss": 0, "bypass": 0} for c in second), (rank, second)
         assert cold[rank]["from_cache"] == [False, False] and warm[rank]["from_cache"] == [True, True]
         assert "compile cache: 1 of 1 Dynamo graphs loaded from the cache (AOT autograd hit" in warm[rank]["text"]
+    _assert_same_training(cold, warm)
+    reference = _reference()
+    for got, want in zip(cold[0]["losses"], reference):
+        assert abs(got - want) < 1e-4, (cold[0]["losses"], reference)
+
+
+def test_checkpointed_second_run_is_a_cache_hit_with_the_same_numbers(tmp_path):
+    """Activation checkpointing on a warm cache: both graphs loaded, the same numbers, and
+    the report still says what the joint-graph pass tagged (read from its saved record)."""
+    config = {"activation_checkpointing": ["blocks.*"], "activation_checkpointing_policy": "matmuls_saved"}
+    cold, warm = _run_twice(str(tmp_path / "cache"), "inductor", 2, config)
+    for rank in range(2):
+        assert [c["aot_autograd"] for c in warm[rank]["compile_cache"]] == ["hit"], warm[rank]["compile_cache"]
+        assert warm[rank]["from_cache"] == [True, True]
+        for run in (cold[rank], warm[rank]):
+            assert "activation checkpointing (matmuls_saved): 2 modules (blocks.0, blocks.1);" in run["text"]
+            assert "forward ops recomputed in backward" in run["text"]
     _assert_same_training(cold, warm)
     reference = _reference()
     for got, want in zip(cold[0]["losses"], reference):
