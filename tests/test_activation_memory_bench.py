@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
+import _bench
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import activation_memory  # noqa: E402
+activation_memory = _bench.load("activation_memory")
 
 
 def test_help_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "activation_memory.py"), "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "--quick" in out.stdout and "matmuls_saved" in out.stdout
+    text = _bench.help_text("activation_memory")
+    assert "--quick" in text and "matmuls_saved" in text
 
 
 def test_summary_takes_the_larger_rank_and_ratios_against_off_of_the_same_path():

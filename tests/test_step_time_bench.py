@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
+import _bench
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import step_time  # noqa: E402
+step_time = _bench.load("step_time")
+ROOT = _bench.ROOT
 
 
 def test_help_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "--rate" in out.stdout and "--quick" in out.stdout and "comm-only" in out.stdout
+    text = _bench.help_text("step_time")
+    assert "--rate" in text and "--quick" in text and "comm-only" in text
 
 
 @pytest.mark.parametrize("text, bps", [("300mbit", 300e6), ("1gbit", 1e9), ("512kbit", 512e3), ("100", 100.0)])
