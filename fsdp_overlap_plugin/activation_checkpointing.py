@@ -41,10 +41,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpointed_modules",
     "resolve_activation_checkpointing",
-    "switch_off_transformers_checkpointing",
 ]
-
-_WRAPPED_ATTR = "_fsdp_overlap_checkpointed"
 
 
 def resolve_activation_checkpointing(model: nn.Module, patterns: list[str]) -> list[str]:
@@ -88,8 +85,6 @@ def apply_activation_checkpointing(
     context_fn = _selective_context(policy)
     for fqn in outer:
         module = model.get_submodule(fqn)
-        if getattr(module, _WRAPPED_ATTR, False):
-            continue
         original = module.forward
 
         def checkpointed(*args, _original=original, _fqn=fqn, **kwargs):
@@ -100,18 +95,17 @@ def apply_activation_checkpointing(
             return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False, **extra, **kwargs)
 
         module.forward = checkpointed
-        setattr(module, _WRAPPED_ATTR, True)
     return outer
 
 
 def checkpointed_modules(model: nn.Module, config) -> tuple[list[str], list[str]]:
     """Every module to checkpoint: ``config.activation_checkpointing`` resolved, then the
     layers a transformers model's own switch flagged; and notes for the report. Pure (the
-    model is not changed; ``parallelize`` then calls ``switch_off_transformers_checkpointing``):
+    model is not changed; ``parallelize`` then calls ``hf.disable_own_checkpointing``):
     ``parallelize`` and ``fsdp-overlap check`` both call it, so they raise the same errors."""
     chosen = resolve_activation_checkpointing(model, config.activation_checkpointing)
     notes = []
-    for prefix, layers in _transformers_flagged(model):
+    for prefix, layers in hf.checkpointing_layers(model):
         chosen.extend(f for f in layers if f not in chosen)
         where = f"{prefix}: " if prefix else ""
         notes.append(
@@ -125,55 +119,6 @@ def checkpointed_modules(model: nn.Module, config) -> tuple[list[str], list[str]
             '["layers.*"]) or remove the policy.'
         )
     return chosen, notes
-
-
-def _transformers_flagged(model: nn.Module) -> list[tuple[str, list[str]]]:
-    """Per transformers model in ``model`` whose own gradient checkpointing is on: its
-    FQN and the FQNs (in ``model``) of the layers it would recompute.
-
-    ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing = True`` on each
-    ``GradientCheckpointingLayer`` (every ``every_n_layers``-th one) and has their forward
-    call ``torch.utils.checkpoint``, which fails under ``torch.compile`` on sharded
-    parameters; those layers are checkpointed the plugin's way instead. A model that
-    flags other modules only (a pre-``GradientCheckpointingLayer`` model whose own forward
-    calls the checkpoint) cannot be taken over: an error says which key to use."""
-    found = []
-    for prefix, hf_model in hf.outermost_transformers_models(model):
-        flagged = [
-            (name, module)
-            for name, module in hf_model.named_modules()
-            if getattr(module, "gradient_checkpointing", False) is True
-        ]
-        if not flagged:
-            continue
-        layers = [
-            ".".join(p for p in (prefix, name) if p) for name, module in flagged if _is_checkpointing_layer(module)
-        ]
-        if not layers:
-            others = ", ".join(".".join(p for p in (prefix, n) if p) or "<root>" for n, _ in flagged)
-            raise OverlapConfigError(
-                f"{type(hf_model).__name__}: gradient_checkpointing_enable() flagged {others}, whose forward "
-                "calls torch.utils.checkpoint itself, which does not compile on sharded parameters. Call "
-                "gradient_checkpointing_disable() and list the blocks in activation_checkpointing instead "
-                "(Accelerate: fsdp_activation_checkpointing: true)."
-            )
-        found.append((prefix, layers))
-    return found
-
-
-def switch_off_transformers_checkpointing(model: nn.Module) -> None:
-    """Turn off transformers' own checkpoint call in every model ``_transformers_flagged``
-    found (its layers are checkpointed by ``apply_activation_checkpointing`` instead)."""
-    for _, hf_model in hf.outermost_transformers_models(model):
-        for module in hf_model.modules():
-            if getattr(module, "gradient_checkpointing", False) is True:
-                module.gradient_checkpointing = False
-        if getattr(hf_model, "_require_grads_hook", None) is not None:
-            hf_model.disable_input_require_grads()  # its hook only fed transformers' checkpoint
-
-
-def _is_checkpointing_layer(module: nn.Module) -> bool:
-    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
 
 
 def _summarize(fqns: list[str]) -> str:

@@ -36,7 +36,7 @@ _DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
 }
 _BACKENDS = ("inductor", "aot_eager")
 _REDUCE_SCATTER_IMPLS = ("native", "all_to_all")
-AC_POLICIES = ("full", "matmuls_saved")  # passes/checkpointing.py implements each
+AC_POLICIES = ("full", "matmuls_saved")  # activation_checkpointing_policy; passes/checkpointing.py implements each
 _RANK_CHECK = ("error", "warn", "off")
 _ON_COMPILE_ERROR = ("raise", "eager")
 _ON_UNBUCKETED = ("error", "warn")

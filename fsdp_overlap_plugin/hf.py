@@ -14,6 +14,10 @@ What a new user of a transformers model would otherwise hit:
   sets ``loss_type = "ForCausalLM"`` on such models, which is the loss transformers
   falls back to anyway: the same function, without the warning and its graph break.
   The schedule report lists the change under ``adjustments``.
+* **Its own gradient checkpointing.** ``gradient_checkpointing_enable()`` makes each layer
+  call ``torch.utils.checkpoint``, which does not compile on sharded parameters:
+  ``checkpointing_layers`` names the layers (they join ``activation_checkpointing``) and
+  ``disable_own_checkpointing`` switches transformers' call off.
 """
 
 from __future__ import annotations
@@ -27,7 +31,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["initialize_weights", "is_transformers_model", "load_config", "model_from_config", "prepare_for_compile"]
+from .config import OverlapConfigError
+
+__all__ = [
+    "checkpointing_layers",
+    "disable_own_checkpointing",
+    "initialize_weights",
+    "is_transformers_model",
+    "load_config",
+    "model_from_config",
+    "prepare_for_compile",
+]
 
 # What PreTrainedModel.loss_function falls back to for an unknown loss_type.
 _FALLBACK_LOSS = "ForCausalLM"
@@ -131,3 +145,52 @@ def model_from_config(config: Any, *, device: torch.device | str | None = None) 
             # as from_config does: in the config's dtype (a bf16 checkpoint's config says bf16)
             return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
         return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def checkpointing_layers(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """Per transformers model in ``model`` whose own gradient checkpointing is on: its
+    FQN and the FQNs (in ``model``) of the layers it would recompute.
+
+    ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing = True`` on each
+    ``GradientCheckpointingLayer`` (every ``every_n_layers``-th one) and has their forward
+    call ``torch.utils.checkpoint``, which fails under ``torch.compile`` on sharded
+    parameters; those layers are checkpointed the plugin's way instead. A model that
+    flags other modules only (a pre-``GradientCheckpointingLayer`` model whose own forward
+    calls the checkpoint) cannot be taken over: an error says which key to use."""
+    found = []
+    for prefix, hf_model in outermost_transformers_models(model):
+        flagged = [
+            (name, module)
+            for name, module in hf_model.named_modules()
+            if getattr(module, "gradient_checkpointing", False) is True
+        ]
+        if not flagged:
+            continue
+        layers = [
+            ".".join(p for p in (prefix, name) if p) for name, module in flagged if _is_checkpointing_layer(module)
+        ]
+        if not layers:
+            others = ", ".join(".".join(p for p in (prefix, n) if p) or "<root>" for n, _ in flagged)
+            raise OverlapConfigError(
+                f"{type(hf_model).__name__}: gradient_checkpointing_enable() flagged {others}, whose forward "
+                "calls torch.utils.checkpoint itself, which does not compile on sharded parameters. Call "
+                "gradient_checkpointing_disable() and list the blocks in activation_checkpointing instead "
+                "(Accelerate: fsdp_activation_checkpointing: true)."
+            )
+        found.append((prefix, layers))
+    return found
+
+
+def disable_own_checkpointing(model: nn.Module) -> None:
+    """Turn off transformers' own checkpoint call in every model ``checkpointing_layers``
+    found (its layers are checkpointed by ``apply_activation_checkpointing`` instead)."""
+    for _, hf_model in outermost_transformers_models(model):
+        for module in hf_model.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                module.gradient_checkpointing = False
+        if getattr(hf_model, "_require_grads_hook", None) is not None:
+            hf_model.disable_input_require_grads()  # its hook only fed transformers' checkpoint
+
+
+def _is_checkpointing_layer(module: nn.Module) -> bool:
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)

@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor
 __all__ = ["SavedActivations"]
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+def _storage(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
+    """``((device type, data pointer), bytes)`` of the storage under ``tensor`` (a
+    DTensor's local one), or None for a tensor without one."""
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     if tensor.device.type == "meta" or tensor.is_sparse:
@@ -31,7 +33,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a subclass without one storage
         return None
-    return tensor.device.type, storage.data_ptr()
+    return (tensor.device.type, storage.data_ptr()), storage.nbytes()
 
 
 class SavedActivations:
@@ -48,21 +50,20 @@ class SavedActivations:
         self._exclude: set = set()
         if model is not None:
             for tensor in (*model.parameters(), *model.buffers()):
-                key = _storage_key(tensor.detach())
-                if key is not None:
-                    self._exclude.add(key)
+                found = _storage(tensor.detach())
+                if found is not None:
+                    self._exclude.add(found[0])
         self._seen: set = set()
         self.count = 0
         self.bytes = 0
         self._hooks = None
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key is not None and key not in self._exclude and key not in self._seen:
-            self._seen.add(key)
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        found = _storage(tensor)
+        if found is not None and found[0] not in self._exclude and found[0] not in self._seen:
+            self._seen.add(found[0])
             self.count += 1
-            self.bytes += local.untyped_storage().nbytes()
+            self.bytes += found[1]
         return tensor
 
     def __enter__(self) -> SavedActivations:

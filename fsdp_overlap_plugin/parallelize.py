@@ -9,11 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import accelerators, hf
-from .activation_checkpointing import (
-    apply_activation_checkpointing,
-    checkpointed_modules,
-    switch_off_transformers_checkpointing,
-)
+from .activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
 from .compile import _STATE_ATTR, OverlapState, compile_model, local_layout, model_fingerprint
 from .config import OverlapConfig, OverlapConfigError
 from .passes.plan_index import BucketIndex
@@ -96,7 +92,7 @@ def parallelize(
         param_entries=entries,
     )
     state.adjustments.extend(checkpoint_notes)
-    switch_off_transformers_checkpointing(model)
+    hf.disable_own_checkpointing(model)
     if checkpointed:
         state.checkpointed = apply_activation_checkpointing(
             model, checkpointed, config.activation_checkpointing_policy, compiled=config.compile

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import accelerators
-from ..activation_checkpointing import resolve_activation_checkpointing
+from ..activation_checkpointing import checkpointed_modules
 from ..compile import get_state
 from ..config import OverlapConfig, OverlapConfigError
 from ..initialize import materialize
@@ -185,7 +185,7 @@ def prepare(
     try:
         # Pure checks: a wrong module name fails here, on every rank, before any collective.
         resolve_plan(model, cfg)
-        resolve_activation_checkpointing(model, cfg.activation_checkpointing)
+        checkpointed_modules(model, cfg)
     except OverlapConfigError as exc:
         raise rename_error(exc, where, prefixed) from None
 

@@ -39,12 +39,14 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..config import AC_POLICIES
+
 __all__ = ["AC_KEY", "POLICIES", "SAVED_OPS", "annotate_activation_checkpointing", "region_of"]
 
 #: ``node.meta["custom"][AC_KEY]``: the FQN of the checkpointed module that traced the node.
 AC_KEY = "fsdp_overlap_checkpoint"
 
-POLICIES = ("full", "matmuls_saved")  # config.AC_POLICIES names the same
+POLICIES = AC_POLICIES
 
 
 def _ops(*names: str) -> frozenset:
