@@ -19,7 +19,7 @@ import torch
 import torch._dynamo
 from _dist import run_ranks
 from _fake import fake_world
-from _train import batches, full_params, make_model, train_reference, train_sharded
+from _train import batches, full_params, local_slice, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin import OverlapConfigError
@@ -195,7 +195,7 @@ def _first_step_saved(model, step) -> tuple[int, int]:
     return saved.count, saved.bytes
 
 
-def _run(model, rank, world, train, saved_step) -> dict:
+def _run(model, train, saved_step) -> dict:
     losses = train(model)
     saved = _first_step_saved(model, saved_step)  # after training: compiled, the numbers already taken
     report = fo.schedule_report(model)
@@ -212,22 +212,18 @@ def _job(rank: int, world: int) -> dict:
     base = make_model()
     data = batches(STEPS)
     out["gpt"]["reference"] = train_reference(base, steps=STEPS) if rank == 0 else None
-    x, y = data[0]
-    per = x.shape[0] // world
-    local = (x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+    x, y = (local_slice(t, rank, world) for t in data[0])
     for name, (backend, config) in GPT_VARIANTS.items():
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         fo.parallelize(model, backend=backend, **config)
         out["gpt"][name] = _run(
             model,
-            rank,
-            world,
             lambda m: train_sharded(m, rank, world, steps=STEPS),
-            lambda m=model: loss_fn(m(local[0]), local[1]),
+            lambda m=model: loss_fn(m(x), y),
         )
     hf_data = _hf.batches(1, 4) * STEPS
-    ids = hf_data[0][rank * 2 : (rank + 1) * 2]
+    ids = local_slice(hf_data[0], rank, world)
     for family in ("llama", "mixtral"):
         hf_base = _hf.build(family)
         out["hf"][f"{family} reference"] = _hf.train_reference(hf_base, hf_data, LR) if rank == 0 else None
@@ -244,8 +240,6 @@ def _job(rank: int, world: int) -> dict:
             fo.parallelize(model, backend=backend, **config)
             out["hf"][name] = _run(
                 model,
-                rank,
-                world,
                 lambda m: _hf.train_sharded(m, rank, world, hf_data, LR),
                 lambda m=model: _hf.loss(m, ids),
             )
