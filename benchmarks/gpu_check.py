@@ -58,8 +58,8 @@ REPO = Path(__file__).resolve().parents[1]
 if (REPO / "fsdp_overlap_plugin").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
-# The torch range pyproject.toml admits (tests/test_gpu_check.py keeps the two in sync).
-SUPPORTED_TORCH = ((2, 13), (2, 15))
+# The torch range pyproject.toml admits, read from it (the package's one statement of it).
+from fsdp_overlap_plugin._version import supported_range, torch_supported  # noqa: E402
 
 PHASES = ("matmul", "tests", "compiled-off", "compiled-on", "code-order", "eager")
 TRAIN_PHASES = ("compiled-off", "compiled-on", "eager")
@@ -822,17 +822,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def supported_range() -> str:
-    low, high = (".".join(map(str, v)) for v in SUPPORTED_TORCH)
-    return f"{low} <= torch < {high}"
-
-
-def torch_supported(version: str) -> bool:
-    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", version).groups())
-    low, high = SUPPORTED_TORCH
-    return low <= (major, minor) < high
 
 
 def evaluate(runs: dict[str, PhaseRun], args: argparse.Namespace) -> list[tuple[str, bool, str]]:

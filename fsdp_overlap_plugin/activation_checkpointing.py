@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from . import hf
+from ._torch_compat import TORCH_VERSION
 from .config import OverlapConfigError, suggest
 from .passes.checkpointing import AC_KEY, SAVED_OPS
 from .plan import expand_pattern
@@ -79,7 +80,7 @@ def apply_activation_checkpointing(
     if compiled and _annotate is None:  # pragma: no cover - torch < 2.9
         raise OverlapConfigError(
             f"activation_checkpointing with compile: true needs torch.fx.traceback.annotate "
-            f"(torch >= 2.9); this is torch {torch.__version__}. Set compile: false or upgrade torch."
+            f"(torch >= 2.9); this is torch {TORCH_VERSION}. Set compile: false or upgrade torch."
         )
     outer = [f for f in fqns if not any(f.startswith(o + ".") for o in fqns if o != f)]
     context_fn = _selective_context(policy)

@@ -1,6 +1,6 @@
 """Compile wiring: ``torch.compile`` in place, with our passes injected.
 
-inductor
+inductor (``inductor_passes.py``, imported only when compiling with inductor)
     ``options={"post_grad_custom_post_pass": (..existing.., OverlapGraphPass),
                "joint_custom_post_pass": (..existing.., ReshardJointPass),
                "reorder_for_peak_memory": False}``
@@ -11,6 +11,8 @@ inductor
     were already installed (``torch_npu`` installs a post-grad pass) run first; ours run
     last so the order we choose is the order that is executed. Inductor's peak-memory
     reordering would undo the prefetch order, so it is turned off when passes are on.
+    On a torch whose slots hold one pass (2.11), one chaining pass runs them all
+    (``_torch_compat.chain_graph_passes``).
 aot_eager
     ``aot_autograd`` with forward/backward compilers that run the same passes on the
     ATen graphs, and a partitioner that applies the same reshard tags first.
@@ -32,21 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# Torch's bucketing custom ops (torch.ops.bucketing.*) must be registered before an FX
-# graph cache hit loads code that may call them, even in a fresh process.
-import torch._inductor.fx_passes.bucketing  # noqa: F401
 import torch.fx as fx
 import torch.nn as nn
-from torch._inductor.custom_graph_pass import (
-    CustomGraphPass,
-    CustomInferenceAwareGraphPass,
-    get_custom_graph_passes,
-)
 
+from . import _torch_compat as compat
 from . import passes
 from .config import OverlapConfig
-from .passes.graph import collective_counts, graph_kind
+from .passes.graph import collective_counts
 
 __all__ = [
     "CompileFallback",
@@ -128,7 +122,9 @@ def get_state(model: nn.Module) -> OverlapState | None:
 
 
 def _source_digest() -> str:
-    files = sorted((_PACKAGE_DIR / "passes").glob("*.py")) + [_PACKAGE_DIR / "compile.py"]
+    files = sorted((_PACKAGE_DIR / "passes").glob("*.py")) + [
+        _PACKAGE_DIR / name for name in ("compile.py", "inductor_passes.py", "_torch_compat.py")
+    ]
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
@@ -149,7 +145,7 @@ def _pass_uuid(state: OverlapState) -> str:
         "gather_group": state.gather_group,
         "checkpointed": state.checkpointed,
         "source": _SOURCE_DIGEST,
-        "torch": torch.__version__,
+        "torch": compat.TORCH_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -282,58 +278,9 @@ def _warn_untraced_checkpoints(state: OverlapState, stats: dict) -> None:
         )
 
 
-class OverlapGraphPass(CustomInferenceAwareGraphPass):
-    """Inductor post-grad pass: bucketing and gradient overlap on each compiled graph."""
-
-    def __init__(self, state: OverlapState):
-        self.state = state
-
-    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
-        gm = graph.owning_module
-        kind = "forward" if is_inference else graph_kind(graph)
-        run_passes(gm, kind, self.state, inference=is_inference)
-
-    def uuid(self) -> str:
-        return "fsdp-overlap-post-grad-" + self.state.cache_key()
-
-
-class ReshardJointPass(CustomGraphPass):
-    """Inductor joint-graph pass: reshard-after-forward recompute tags per bucket."""
-
-    def __init__(self, state: OverlapState):
-        self.state = state
-
-    def __call__(self, graph: fx.Graph) -> None:
-        run_reshard(graph.owning_module, self.state)
-
-    def uuid(self) -> str:
-        return "fsdp-overlap-joint-" + self.state.cache_key()
-
-
-def _chain(existing: Any, ours: Any) -> tuple:
-    return (*get_custom_graph_passes(existing), ours)
-
-
-def inductor_options(state: OverlapState) -> dict[str, Any]:
-    """The ``torch.compile(options=...)`` that install our passes after any existing ones."""
-    from torch._inductor import config as inductor_config
-
-    options: dict[str, Any] = {
-        "joint_custom_post_pass": _chain(inductor_config.joint_custom_post_pass, ReshardJointPass(state)),
-    }
-    if state.passes_on:
-        options["post_grad_custom_post_pass"] = _chain(
-            inductor_config.post_grad_custom_post_pass, OverlapGraphPass(state)
-        )
-        options["reorder_for_peak_memory"] = False
-    return options
-
-
 def aot_eager_backend(state: OverlapState):
     """An ``aot_eager`` equivalent whose compilers run our passes on the ATen graphs."""
     from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def compiler(kind: str, inference: bool = False):
         def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -345,9 +292,9 @@ def aot_eager_backend(state: OverlapState):
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         run_reshard(joint, state)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        return compat.min_cut_partition(joint, joint_inputs, **kwargs)
 
-    return aot_autograd(
+    return compat.aot_autograd(
         fw_compiler=compiler("forward"),
         bw_compiler=compiler("backward"),
         inference_compiler=compiler("forward", inference=True),
@@ -379,14 +326,9 @@ class UnbucketedError(RuntimeError):
 
 def _inner_backend(state: OverlapState):
     if state.config.backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+        from .inductor_passes import inductor_backend  # inductor is imported only to compile with it
 
-        options = inductor_options(state)
-
-        def inductor(gm: fx.GraphModule, example_inputs: list) -> Any:
-            return compile_fx(gm, example_inputs, config_patches=options)
-
-        return inductor
+        return inductor_backend(state, run_passes, run_reshard)
     return aot_eager_backend(state)
 
 
@@ -432,7 +374,7 @@ def overlap_backend(state: OverlapState):
         error: BaseException | None = None
         before = _cache_counters()
         try:
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            with compat.eager_backward_lowering():
                 compiled = inner(gm, example_inputs)
         except Exception as exc:  # every rank must hear of it before anyone runs the graph
             error = exc
@@ -466,8 +408,7 @@ def overlap_backend(state: OverlapState):
 
 
 def _cache_counters() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
+    counters = compat.dynamo_counters()
     return {
         f"{group}.{key}": counters[group][key]
         for group, keys in (
@@ -704,7 +645,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
             ours = _find(exc, (RankMismatchError, RankTimeoutError, PeerCompileError, UnbucketedError))
             if ours is not None:
                 raise ours from None  # our message, not Dynamo's wrapper around it
-            unsupported = _find(exc, torch._dynamo.exc.Unsupported)
+            unsupported = _find(exc, compat.dynamo_unsupported_error())
             if unsupported is not None and state.config.fullgraph:
                 raise GraphBreakError(graph_break_message(unsupported)) from exc
             raise

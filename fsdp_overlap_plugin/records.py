@@ -27,9 +27,9 @@ _NAMES = ("joint", "forward", "backward", "inference")
 
 
 def store_dir(uuid: str, graph_id: str | None, rank: int = 0) -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from ._torch_compat import inductor_cache_dir
 
-    return Path(cache_dir()) / "fsdp_overlap" / uuid / f"rank{rank}" / (graph_id or "unknown")
+    return Path(inductor_cache_dir()) / "fsdp_overlap" / uuid / f"rank{rank}" / (graph_id or "unknown")
 
 
 def record_name(record: dict) -> str:

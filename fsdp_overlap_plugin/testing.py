@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ._torch_compat import FakeTensorMode, control_deps_op
 from .passes.graph import C10D
 
 __all__ = ["GraphBuilder", "SimulatedRank", "fsdp_backward_graph", "fsdp_forward_graph", "random_inputs"]
@@ -215,8 +215,5 @@ class SimulatedRank(fx.Interpreter):
 
 
 def is_control_deps_target(target: Any) -> bool:
-    try:
-        from torch._inductor.fx_passes.control_dependencies import control_deps
-    except ImportError:  # pragma: no cover
-        return False
-    return target is control_deps
+    control_deps = control_deps_op()
+    return control_deps is not None and target is control_deps

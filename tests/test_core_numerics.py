@@ -16,7 +16,7 @@ from _train import full_params, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.matrix]  # matrix: on every torch of .ci/run
 
 
 def _run(rank: int, world: int, model_kwargs: dict | None = None, **config) -> dict:

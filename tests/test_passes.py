@@ -76,9 +76,11 @@ def simulate(gm: fx.GraphModule, inputs: list) -> list[torch.Tensor]:
     return [o for o in SimulatedRank(gm, rank=1, world=2).run(*inputs) if isinstance(o, torch.Tensor)]
 
 
-def assert_same_outputs(before: fx.GraphModule, after: fx.GraphModule, seed: int = 0) -> None:
+def assert_same_outputs(
+    before: fx.GraphModule, after: fx.GraphModule, seed: int = 0, dtype: torch.dtype | None = None
+) -> None:
     after.graph.lint()
-    inputs = random_inputs(before, seed=seed)
+    inputs = random_inputs(before, seed=seed, dtype=dtype)
     for got, want in zip(simulate(after, inputs), simulate(before, inputs), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
 

@@ -10,7 +10,7 @@ from _train import full_params, make_model, train_sharded
 
 import fsdp_overlap_plugin as fo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.matrix]  # matrix: on every torch of .ci/run
 
 ISSUE_PLAN = [["tok_emb", "pos_emb"], "blocks.0", "blocks.1", "blocks.2", "blocks.3", ["norm", "head"]]
 VARIANTS = {

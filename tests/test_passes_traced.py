@@ -54,7 +54,9 @@ def test_traced_graphs_compute_the_same(traced, kind, passes):
         overlap_grad_reduce(after)
     if passes == "both+pin":
         pin_collective_order(after)
-    assert_same_outputs(before, after)
+    # float64 throughout: torch 2.11's fake CPU flash attention says its logsumexp is float32
+    # for float64 inputs (the real kernel returns float64), and the placeholders carry that
+    assert_same_outputs(before, after, dtype=torch.float64)
     assert sorted(compute_nodes(before)) == sorted(compute_nodes(after))
 
 

@@ -360,7 +360,8 @@ def _load_full_model_state(model: nn.Module, path: Path) -> None:
 def _install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) -> None:
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.utils import DistributedType
-    from torch.distributed.checkpoint.state_dict import _patch_optimizer_state_dict
+
+    from .._torch_compat import patch_optimizer_state_dict
 
     if accelerator.distributed_type == DistributedType.FSDP:
         return  # Accelerate's FSDP2 save/load (torch.distributed.checkpoint) handles DTensor models
@@ -386,4 +387,4 @@ def _install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) -
             inner = obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj
             # torch's own helper: state_dict() gathers the full FQN-keyed state (rank 0),
             # load_state_dict() takes it and keeps this rank's shard.
-            _patch_optimizer_state_dict(model, optimizers=(inner,), options=_full_options())
+            patch_optimizer_state_dict(model, inner, _full_options())

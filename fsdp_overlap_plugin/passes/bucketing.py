@@ -34,6 +34,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
+from .._torch_compat import preserve_node_ordering
 from ..plan import check_disjoint
 from .graph import (
     C10D,
@@ -413,10 +414,7 @@ def _feeds_only_scatters(node: fx.Node) -> bool:
 
 
 def _insert_deps(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
-    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-    from torch.utils._ordered_set import OrderedSet
-
-    preserve_node_ordering(graph, {wait: OrderedSet(starts) for wait, starts in deps.items()})
+    preserve_node_ordering(graph, deps)
 
 
 def use_gather_group(gm: fx.GraphModule, group: str) -> int:

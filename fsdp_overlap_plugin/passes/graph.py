@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _torch_compat as compat
+
 __all__ = [
     "C10D",
     "collective_counts",
@@ -51,20 +53,12 @@ _COMM_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _ALL_GATHERS = (C10D.all_gather_into_tensor.default, C10D.all_gather_into_tensor_out.default)
 
 
-def _control_deps_op() -> Any:
-    try:
-        from torch._inductor.fx_passes.control_dependencies import control_deps
-    except ImportError:  # pragma: no cover - older torch
-        return None
-    return control_deps
-
-
-_CONTROL_DEPS = _control_deps_op()
-
-
 def is_control_deps(node: fx.Node) -> bool:
     """A ``control_deps`` wrapper (inserted to pin an order) around one operation."""
-    return node.op == "call_function" and _CONTROL_DEPS is not None and node.target is _CONTROL_DEPS
+    if node.op != "call_function":
+        return False
+    control_deps = compat.control_deps_op()
+    return control_deps is not None and node.target is control_deps
 
 
 def _wrapped_target(node: fx.Node) -> Any:
@@ -83,10 +77,7 @@ def effective_target(node: fx.Node) -> Any:
     """The operation a node runs, looking through a ``control_deps`` wrapper."""
     if node.op != "call_function":
         return None
-    target = node.target
-    if target is _CONTROL_DEPS and target is not None:
-        return _wrapped_target(node)
-    return target
+    return _wrapped_target(node) if is_control_deps(node) else node.target
 
 
 def node_args(node: fx.Node) -> tuple:
@@ -181,7 +172,7 @@ def is_view(node: fx.Node) -> bool:
     if target is operator.getitem:
         src = node.args[0]
         return isinstance(src, fx.Node) and is_view(src)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, compat.OpOverload):
         if getattr(target, "is_view", False):
             return True
         returns = target._schema.returns
@@ -241,7 +232,7 @@ def is_barrier(node: fx.Node) -> bool:
     if is_control_deps(node):
         return True  # an order someone pinned on purpose
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, compat.OpOverload):
         return _overload_is_barrier(target)
     if target is operator.getitem:
         return False
@@ -252,15 +243,13 @@ def is_barrier(node: fx.Node) -> bool:
 
 
 @functools.cache
-def _overload_is_barrier(target: torch._ops.OpOverload) -> bool:
+def _overload_is_barrier(target: compat.OpOverload) -> bool:
     # For an ATen overload, mutation and side effects depend on the op alone (its
     # schema and registrations), so decide once per op, not once per node. Random ops
     # are not barriers: moving other nodes across them consumes no random numbers.
     if _mutates(target):
         return True
-    from torch._library.utils import is_impure
-
-    return bool(is_impure(target, args=(), kwargs={}, impure_random=False))
+    return compat.is_impure(target)
 
 
 #: ``node.meta["custom"][PARAM_KEY]``: the FQN (relative to the sharded root) of the

@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
 
+from .._torch_compat import FakeTensor, detect_fake_mode
 from .graph import C10D, group_name, node_args, wait_of
 
 __all__ = ["MergeResult", "Retired", "bucket_key", "graph_fake_mode", "merge_all_gathers", "merge_reduce_scatters"]

@@ -27,6 +27,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from .._torch_compat import preserve_node_ordering
 from .graph import is_collective, is_wait, wait_of
 
 __all__ = ["pin_collective_order"]
@@ -54,15 +55,12 @@ def is_anchor(node: fx.Node) -> bool:
 def pin_collective_order(gm: fx.GraphModule, *, recompile: bool = True) -> dict:
     """Add ordering dependencies that keep each collective's overlap window (see module
     doc). Returns statistics: windows pinned and dependencies added."""
-    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-    from torch.utils._ordered_set import OrderedSet
-
     graph = gm.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     anchors = [i for i, n in enumerate(nodes) if is_anchor(n)]
     waits = [i for i, n in enumerate(nodes) if is_wait(n)]
-    deps: dict[fx.Node, OrderedSet] = defaultdict(OrderedSet)
+    deps: dict[fx.Node, dict[fx.Node, None]] = defaultdict(dict)  # dict: an ordered set
     windows = 0
     for start in nodes:
         if not is_collective(start):
@@ -74,13 +72,13 @@ def pin_collective_order(gm: fx.GraphModule, *, recompile: bool = True) -> dict:
         pinned = False
         k = bisect.bisect_right(anchors, s)
         if k < len(anchors) and anchors[k] < w:
-            deps[nodes[anchors[k]]].add(start)
+            deps[nodes[anchors[k]]][start] = None
             last = anchors[bisect.bisect_left(anchors, w) - 1]
-            deps[wait].add(nodes[last])
+            deps[wait][nodes[last]] = None
             pinned = True
         k = bisect.bisect_right(waits, s)
         if k < len(waits) and waits[k] < w:
-            deps[nodes[waits[k]]].add(start)
+            deps[nodes[waits[k]]][start] = None
             pinned = True
         windows += pinned
     added = sum(len(v) for v in deps.values())

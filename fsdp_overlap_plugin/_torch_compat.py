@@ -1,0 +1,292 @@
+"""Every private torch name fsdp-overlap uses, in one place, found by feature probes.
+
+The passes lean on torch internals (inductor's custom-pass slots, its ordering
+dependencies, the partitioner, FakeTensor, functorch flags, a checkpoint helper) that
+move between releases. Each one is reached through this module, and each is probed for
+(``hasattr``, a guarded import), never chosen by comparing version strings: a build
+that backports a feature gets it, one that drops it gets the fallback or a clear error.
+
+Nothing here imports inductor when this module is imported: ``import fsdp_overlap_plugin``
+and ``fsdp-overlap inspect``/``check`` work where an inductor internal has moved; the
+compile path asks for inductor when it compiles. Where a torch lacks a feature, either
+the fallback below does the same job (one chaining pass for a single-pass config slot),
+or the caller gets ``TorchFeatureError`` naming the config key that needs it and the torch
+version, never a silent skip.
+
+What each release has (checked on 2.11.0, 2.13.0, 2.14.1, 2.15.0):
+
+- 2.11 has no ``CustomInferenceAwareGraphPass`` and no ``get_custom_graph_passes``; its
+  ``post_grad_custom_post_pass`` and ``joint_custom_post_pass`` slots hold one pass, which
+  inductor calls with the graph only. ``chain_graph_passes`` then installs one
+  ``ChainedGraphPass`` that runs the passes already there, then ours, and whose
+  ``uuid()`` combines theirs.
+- 2.13 to 2.15 take a tuple in both slots and tell inference-aware passes whether the
+  graph is an inference graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+# FakeTensor and its mode: torch._subclasses is imported by ``import torch`` itself.
+from torch._guards import detect_fake_mode
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+__all__ = [
+    "FakeTensor",
+    "FakeTensorMode",
+    "OpOverload",
+    "TORCH_VERSION",
+    "TorchFeatureError",
+    "aot_autograd",
+    "chain_graph_passes",
+    "compile_fx",
+    "control_deps_op",
+    "custom_graph_pass_class",
+    "detect_fake_mode",
+    "dynamo_counters",
+    "dynamo_unsupported_error",
+    "eager_backward_lowering",
+    "inductor_cache_dir",
+    "inductor_config",
+    "inference_aware_pass_class",
+    "installed_graph_passes",
+    "is_impure",
+    "min_cut_partition",
+    "patch_optimizer_state_dict",
+    "preserve_node_ordering",
+    "register_bucketing_ops",
+]
+
+TORCH_VERSION: str = torch.__version__
+
+
+class TorchFeatureError(RuntimeError):
+    """This torch lacks something the configuration asks for."""
+
+
+def _missing(what: str, key: str, alternative: str) -> TorchFeatureError:
+    return TorchFeatureError(
+        f"fsdp-overlap: {key} needs {what}, which torch {TORCH_VERSION} does not have. {alternative}"
+    )
+
+
+def _attr(module: str, name: str) -> Any | None:
+    """``module.name``, or None when the module or the name is not in this torch."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+# --------------------------------------------------------------------------- inductor
+def inductor_config() -> Any:
+    """``torch._inductor.config`` (imported on first use, by the compile path)."""
+    return importlib.import_module("torch._inductor.config")
+
+
+def compile_fx() -> Callable:
+    fn = _attr("torch._inductor.compile_fx", "compile_fx")
+    if fn is None:
+        raise _missing("torch._inductor.compile_fx.compile_fx", "backend: inductor", "Use backend: aot_eager.")
+    return fn
+
+
+def register_bucketing_ops() -> bool:
+    """Import torch's collective-bucketing module, which registers the ``torch.ops.bucketing``
+    custom ops: code loaded from a warm FX graph cache may call them, in a process where
+    nothing else imported it. False when this torch has no such module (then inductor
+    cannot have emitted calls to those ops either)."""
+    try:
+        importlib.import_module("torch._inductor.fx_passes.bucketing")
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def custom_graph_pass_class() -> type:
+    """``CustomGraphPass``: the base class whose ``uuid()`` inductor's caches key on."""
+    cls = _attr("torch._inductor.custom_graph_pass", "CustomGraphPass")
+    if cls is None:
+        raise _missing(
+            "torch._inductor.custom_graph_pass.CustomGraphPass", "backend: inductor", "Use backend: aot_eager."
+        )
+    return cls
+
+
+@functools.cache
+def inference_aware_pass_class() -> tuple[type, bool]:
+    """The base class of a post-grad pass that wants to know whether the graph is an
+    inference graph, and whether inductor tells it (``is_inference``). Without
+    ``CustomInferenceAwareGraphPass`` (torch 2.11) inductor calls the pass with the graph
+    only: the base is then ``CustomGraphPass`` and the pass must find out itself."""
+    cls = _attr("torch._inductor.custom_graph_pass", "CustomInferenceAwareGraphPass")
+    if cls is not None:
+        return cls, True
+    return custom_graph_pass_class(), False
+
+
+def _slot_takes_a_list() -> bool:
+    # get_custom_graph_passes arrived with the loops over a tuple in both slots
+    return _attr("torch._inductor.custom_graph_pass", "get_custom_graph_passes") is not None
+
+
+def installed_graph_passes(slot: Any) -> tuple:
+    """The passes a config slot holds (None, one pass, or a list/tuple of them)."""
+    if slot is None:
+        return ()
+    if isinstance(slot, ChainedGraphPass):
+        return slot.passes
+    if isinstance(slot, (list, tuple)):
+        return tuple(slot)
+    return (slot,)
+
+
+class ChainedGraphPass:
+    """One pass that runs several in order, for a torch whose slot holds one pass.
+
+    Its ``uuid()`` combines the members': None when any member has none (a plain
+    function), so inductor bypasses its FX graph cache exactly as it would for that
+    function alone. Made a ``CustomGraphPass`` subclass on first use (``chained``)."""
+
+    passes: tuple
+
+    def __call__(self, graph: Any) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> Any:
+        parts = []
+        for graph_pass in self.passes:
+            uuid = getattr(graph_pass, "uuid", None)
+            value = uuid() if callable(uuid) else None
+            if value is None:
+                return None
+            parts.append(value.hex() if isinstance(value, bytes) else str(value))
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _chained_class() -> type:
+    return type("ChainedGraphPass", (ChainedGraphPass, custom_graph_pass_class()), {})
+
+
+def chain_graph_passes(slot: Any, ours: Any) -> Any:
+    """What to put in an inductor pass slot so that the passes already there (torch_npu
+    installs one) run first and ``ours`` runs last, on every graph."""
+    passes = (*installed_graph_passes(slot), ours)
+    if _slot_takes_a_list():
+        return passes
+    chained = _chained_class()()
+    chained.passes = passes
+    return chained
+
+
+# --------------------------------------------------------------------------- FX ordering
+@functools.cache
+def control_deps_op() -> Any:
+    """Inductor's ``control_deps`` higher-order op (what ``preserve_node_ordering``
+    wraps a node in), or None where this torch has none: no graph can then hold one."""
+    return _attr("torch._inductor.fx_passes.control_dependencies", "control_deps")
+
+
+def preserve_node_ordering(graph: Any, deps: dict[Any, Iterable[Any]]) -> None:
+    """Make each key node of ``deps`` depend on its nodes, so inductor's scheduler keeps
+    the order (``control_deps``). ``deps`` values are any ordered iterables."""
+    fn = _attr("torch._inductor.fx_passes.control_dependencies", "preserve_node_ordering")
+    ordered_set = _attr("torch.utils._ordered_set", "OrderedSet")
+    if fn is None or ordered_set is None:
+        raise _missing(
+            "torch._inductor.fx_passes.control_dependencies.preserve_node_ordering (to keep the collective "
+            "order it chose)",
+            "backend: inductor with manual_bucketing or overlap_grad_reduce",
+            "Use backend: aot_eager, or turn both passes off.",
+        )
+    fn(graph, {node: ordered_set(after) for node, after in deps.items()})
+
+
+def is_impure(target: Any) -> bool:
+    """Whether an op has side effects (random ops excluded: moving other nodes across
+    them consumes no random numbers)."""
+    from torch._library.utils import is_impure as impure
+
+    try:
+        return bool(impure(target, args=(), kwargs={}, impure_random=False))
+    except TypeError:  # a torch whose is_impure has no impure_random: it counts random ops as pure
+        return bool(impure(target, args=(), kwargs={}))
+
+
+# --------------------------------------------------------------------------- AOT / functorch / dynamo
+def aot_autograd(**kwargs: Any) -> Any:
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def min_cut_partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+    """The partitioner torch's own backends use (it honours the recompute tags)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def eager_backward_lowering() -> Iterator[None]:
+    """Compile the backward together with the forward (not lazily at the first backward),
+    so a failure anywhere in compilation is known before any rank runs a collective."""
+    config = importlib.import_module("torch._functorch.config")
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        raise _missing(
+            "torch._functorch.config.force_non_lazy_backward_lowering (to compile the backward before the first "
+            "step, when every rank can still agree on a failure)",
+            "compile: true",
+            "Use compile: false.",
+        )
+    with config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+def dynamo_counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def dynamo_unsupported_error() -> type:
+    """The exception Dynamo raises for code it cannot trace."""
+    return _attr("torch._dynamo.exc", "Unsupported") or RuntimeError
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    cache_dir = _attr("torch._inductor.runtime.cache_dir_utils", "cache_dir")
+    if cache_dir is not None:
+        return cache_dir()
+    user = "".join(c if c.isalnum() else "_" for c in os.environ.get("USER", "user"))
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+
+
+# --------------------------------------------------------------------------- checkpoint
+def patch_optimizer_state_dict(model: Any, optimizer: Any, options: Any) -> None:
+    """Make ``optimizer.state_dict()``/``load_state_dict()`` gather and scatter the full,
+    FQN-keyed state (torch's own helper, which also keeps ``get_state_dict`` from
+    recursing into the patched methods)."""
+    patch = _attr("torch.distributed.checkpoint.state_dict", "_patch_optimizer_state_dict")
+    if patch is None:
+        raise _missing(
+            "torch.distributed.checkpoint.state_dict._patch_optimizer_state_dict",
+            "Accelerate's save_state/load_state of an fsdp-overlap model",
+            "Save with fsdp_overlap_plugin.checkpoint instead.",
+        )
+    patch(model, optimizers=(optimizer,), options=options)

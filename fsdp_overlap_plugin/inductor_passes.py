@@ -1,0 +1,90 @@
+"""Our passes as inductor custom passes, and the inductor backend that installs them.
+
+Imported only when a model is compiled with ``backend: inductor``, so that
+``import fsdp_overlap_plugin`` never needs inductor's internals (see ``_torch_compat``).
+The pass functions come in as arguments (``compile.run_passes`` / ``run_reshard``): this
+module does not import ``compile``, which imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from . import _torch_compat as compat
+from .passes.graph import graph_kind
+
+__all__ = ["inductor_backend", "inductor_options"]
+
+_InferenceAware, _TOLD_INFERENCE = compat.inference_aware_pass_class()
+
+
+class OverlapGraphPass(_InferenceAware):
+    """Inductor post-grad pass: bucketing and gradient overlap on each compiled graph."""
+
+    def __init__(self, state: Any, run_passes: Callable):
+        self.state = state
+        self.run_passes = run_passes
+
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        gm = graph.owning_module
+        if is_inference is None:
+            # a torch that does not tell (2.11): a forward compiled with grad disabled is the
+            # inference graph (our backend marks such graphs "-no-grad"); a forward of a
+            # model with nothing requiring grad is then recorded as a training forward
+            is_inference = not _TOLD_INFERENCE and _compiled_without_grad(self.state, graph)
+        kind = "forward" if is_inference else graph_kind(graph)
+        self.run_passes(gm, kind, self.state, inference=is_inference)
+
+    def uuid(self) -> str:
+        return "fsdp-overlap-post-grad-" + self.state.cache_key()
+
+
+def _compiled_without_grad(state: Any, graph: fx.Graph) -> bool:
+    return graph_kind(graph) == "forward" and (state.graph_id or "").endswith("-no-grad")
+
+
+class ReshardJointPass(compat.custom_graph_pass_class()):
+    """Inductor joint-graph pass: reshard-after-forward recompute tags per bucket."""
+
+    def __init__(self, state: Any, run_reshard: Callable):
+        self.state = state
+        self.run_reshard = run_reshard
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.run_reshard(graph.owning_module, self.state)
+
+    def uuid(self) -> str:
+        return "fsdp-overlap-joint-" + self.state.cache_key()
+
+
+def inductor_options(state: Any, run_passes: Callable, run_reshard: Callable) -> dict[str, Any]:
+    """The inductor config patches that install our passes after any existing ones."""
+    config = compat.inductor_config()
+    options: dict[str, Any] = {
+        "joint_custom_post_pass": compat.chain_graph_passes(
+            config.joint_custom_post_pass, ReshardJointPass(state, run_reshard)
+        ),
+    }
+    if state.passes_on:
+        options["post_grad_custom_post_pass"] = compat.chain_graph_passes(
+            config.post_grad_custom_post_pass, OverlapGraphPass(state, run_passes)
+        )
+        options["reorder_for_peak_memory"] = False
+    return options
+
+
+def inductor_backend(state: Any, run_passes: Callable, run_reshard: Callable) -> Callable:
+    """``compile_fx`` with our passes installed through its config patches."""
+    # torch's bucketing ops must be registered before a warm FX graph cache loads code
+    # that may call them, even in a fresh process
+    compat.register_bucketing_ops()
+    compile_fx = compat.compile_fx()
+    options = inductor_options(state, run_passes, run_reshard)
+
+    def inductor(gm: fx.GraphModule, example_inputs: list) -> Any:
+        return compile_fx(gm, example_inputs, config_patches=options)
+
+    return inductor
