@@ -16,7 +16,7 @@ from _train import full_params, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
 
-pytestmark = [pytest.mark.slow, pytest.mark.matrix]  # matrix: on every torch of .ci/run
+pytestmark = pytest.mark.slow
 
 
 def _run(rank: int, world: int, model_kwargs: dict | None = None, **config) -> dict:
@@ -166,6 +166,7 @@ def _inductor_scenarios(rank: int, world: int) -> dict:
     return {"fp32": _run(rank, world, backend="inductor")}
 
 
+@pytest.mark.matrix  # on every torch of .ci/run
 def test_inductor_matches_single_process():
     result = run_ranks(_inductor_scenarios)[0]["fp32"]
     _close(result)

@@ -268,6 +268,7 @@ def cpu_code():
 
 
 @pytest.mark.slow
+@pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
 def test_code_order_phase_passes_on_cpu_inductor_code(cpu_code):
     cfg, result = cpu_code
     assert result["problems"] == []
@@ -291,6 +292,7 @@ def test_code_order_phase_passes_on_cpu_inductor_code(cpu_code):
 
 
 @pytest.mark.slow
+@pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
 def test_code_order_checker_catches_a_late_prefetch_in_real_code(cpu_code):
     _, result = cpu_code
     code = result["codes"][0]
@@ -309,6 +311,7 @@ def test_code_order_checker_catches_a_late_prefetch_in_real_code(cpu_code):
 
 
 @pytest.mark.slow
+@pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
 def test_two_fake_ranks_graph_check_passes_on_cpu(monkeypatch):
     """The CPU twin of tests/test_gpu_cuda.py's 2-fake-rank graph check (which needs a
     GPU): the same model and assertions, the gather group switched on as nccl does."""
@@ -481,6 +484,7 @@ def test_parent_refuses_a_model_that_would_not_fit(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
 def test_training_phases_run_the_compile_path_on_one_cpu_rank(tmp_path):
     """The phase processes themselves (build, parallelize, train, report, result file),
     run by the parent as on the GPU, but on one gloo rank with aot_eager (``--_device cpu``):
