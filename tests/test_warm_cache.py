@@ -27,6 +27,11 @@ from _dist import run_ranks
 pytestmark = pytest.mark.slow
 
 VOCAB = 97  # uneven shards on 2 and 3 ranks
+# torch 2.11's AOT autograd cache refuses our graphs ("Bypassing autograd cache due to:
+# Unsupported call_function target ...TensorVariable.method_redistribute.<locals>.
+# redistribute_fn_with_prim_types": Dynamo traces DTensor.redistribute as a local function);
+# there inductor's FX graph cache alone serves the second run. 2.13 to 2.15 take them.
+AOT_CACHE_TAKES_DTENSOR_GRAPHS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 GLOBAL_BATCH = 6  # divisible by 2 and 3
 STEPS = 3
 LR = 0.5
@@ -93,13 +98,16 @@ def test_inductor_second_run_is_a_cache_hit_with_the_same_numbers(tmp_path, worl
     assert sum(rows) == VOCAB and len(set(rows)) == 2, rows
     for rank in range(world):
         first, second = cold[rank]["compile_cache"], warm[rank]["compile_cache"]
-        assert [c["aot_autograd"] for c in first] == ["miss"], first
+        assert [c["aot_autograd"] for c in first] == ["miss" if AOT_CACHE_TAKES_DTENSOR_GRAPHS else "bypass"], first
         assert all(c["fx_graph"]["miss"] > 0 for c in first), first
-        # the second run compiled nothing: AOT autograd's cache hit, inductor loaded both graphs
-        assert [c["aot_autograd"] for c in second] == ["hit"], (rank, second)
+        # the second run compiled nothing: AOT autograd's cache hit (where it takes the graph),
+        # inductor loaded both graphs
+        assert [c["aot_autograd"] for c in second] == ["hit" if AOT_CACHE_TAKES_DTENSOR_GRAPHS else "bypass"], second
         assert all(c["fx_graph"] == {"hit": 2, "miss": 0, "bypass": 0} for c in second), (rank, second)
         assert cold[rank]["from_cache"] == [False, False] and warm[rank]["from_cache"] == [True, True]
-        assert "compile cache: 1 of 1 Dynamo graphs loaded from the cache (AOT autograd hit" in warm[rank]["text"]
+        assert "compile cache: 1 of 1 Dynamo graphs loaded from the cache" in warm[rank]["text"]
+        if AOT_CACHE_TAKES_DTENSOR_GRAPHS:
+            assert "(AOT autograd hit" in warm[rank]["text"]
     _assert_same_training(cold, warm)
     reference = _reference()
     for got, want in zip(cold[0]["losses"], reference):
