@@ -171,7 +171,7 @@ def manual_bucketing(
     # all-reduce of the bucket's whole reduce-scatter result replaces them
     stats["merged_all_reduces"] = sum(_merge_replica_all_reduces(graph, u) for u in scatter_units)
     if insert_overlap_deps and deps:
-        _insert_deps(graph, deps)
+        preserve_node_ordering(graph, deps)
     if recompile:
         gm.recompile()
 
@@ -411,10 +411,6 @@ def _feeds_only_scatters(node: fx.Node) -> bool:
     if not is_preparation_op(node) or not node.users:
         return False
     return all(is_reduce_scatter(u) or _feeds_only_scatters(u) for u in node.users)
-
-
-def _insert_deps(graph: fx.Graph, deps: dict[fx.Node, list[fx.Node]]) -> None:
-    preserve_node_ordering(graph, deps)
 
 
 def use_gather_group(gm: fx.GraphModule, group: str) -> int:
