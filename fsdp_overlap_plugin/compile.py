@@ -17,6 +17,13 @@ aot_eager
     ``aot_autograd`` with forward/backward compilers that run the same passes on the
     ATen graphs, and a partitioner that applies the same reshard tags first.
 
+Which passes run, in which order, is one list per graph kind: ``POST_GRAD_PASSES`` (each
+forward/backward graph, ``run_passes``) and ``JOINT_PASSES`` (each joint graph before
+partitioning, ``run_reshard``); each entry says whether it applies to a graph. A pass only
+returns its statistics: this module records them, recompiles the graph once and lints it
+once. The per-model state lives in ``state.py`` (re-exported here), the schedule events in
+``passes/events.py``; the report reads them without importing this module.
+
 The passes never talk to a process group; the only collective work done here is the
 rank-consistency check (``rank_check``), which goes through the store, not a
 collective, so it cannot hang.
@@ -29,9 +36,8 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -40,150 +46,123 @@ import torch.nn as nn
 from . import _torch_compat as compat
 from . import passes
 from .config import OverlapConfig
+from .passes.events import graph_events
 from .passes.graph import collective_counts
+from .records import load_graph_records, save_record, summarize_pass
+from .state import OverlapState, get_state
 
 __all__ = [
+    "JOINT_PASSES",
+    "POST_GRAD_PASSES",
     "CompileFallback",
     "GraphBreakError",
+    "OverlapState",  # re-exported from state.py, where it lives
+    "PassEntry",
     "PeerCompileError",
-    "OverlapState",
     "UnbucketedError",
     "UnbucketedWarning",
     "compile_model",
-    "get_state",
+    "get_state",  # re-exported from state.py
     "run_passes",
+    "run_reshard",
 ]
 
 log = logging.getLogger("fsdp_overlap_plugin")
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
-_STATE_ATTR = "_fsdp_overlap_state"
-
-
-@dataclass
-class OverlapState:
-    """What ``parallelize`` decided for one model, and what the passes reported."""
-
-    config: OverlapConfig
-    plan: list[list[str]]
-    device_type: str
-    world_size: int
-    mesh_shape: tuple[int, ...]
-    mesh: Any = None
-    gather_group: Any = None
-    model_fingerprint: str = ""
-    records: list[dict] = field(default_factory=list)
-    reshard: list[dict] = field(default_factory=list)  # per joint graph: what annotate_reshard did
-    last_bucket: int | None = None  # the plan's last entry that owns parameters
-    unbucketed_params: list[str] = field(default_factory=list)
-    fallback: str | None = None
-    instance: int = 0  # the n-th model prepared in this process: the same on every rank
-    dynamo_graphs: int = 0  # graphs Dynamo handed to our backend so far
-    called: bool = False  # the compiled forward has run once
-    graph_id: str | None = None  # the Dynamo graph being compiled now (its fingerprint)
-    rank: int = 0
-    adjustments: list[str] = field(default_factory=list)  # what parallelize changed on the model, and why
-    warned: set[str] = field(default_factory=set)  # modules already named in an unbucketed warning
-    param_entries: dict[str, int | None] = field(default_factory=dict)  # parameter FQN -> its plan entry
-    compile_cache: list[dict] = field(default_factory=list)  # per Dynamo graph: what inductor's caches did
-    local_layout: str = ""  # digest of this rank's shard shapes (they differ across ranks when uneven)
-    checkpointed: list[str] = field(default_factory=list)  # modules whose forward is recomputed in backward
-
-    def uuid(self) -> str:
-        """Identifies everything that changes what the passes do to a graph; the same on
-        every rank (the rank-agreement keys are built from it)."""
-        return _pass_uuid(self)
-
-    def cache_key(self) -> str:
-        """``uuid()`` plus this rank's local shard shapes: what our passes report to
-        inductor as their ``uuid()``, and so part of the AOT autograd and FX graph cache
-        keys. AOT autograd keys its cache on the graph Dynamo traced, whose DTensor
-        inputs carry global shapes only; with uneven shards (97 rows on 2 ranks: 49 and
-        48) every rank traces the same graph but compiles different code, and without
-        this a warm cache hands one rank another rank's code. Ranks whose shards have
-        equal shapes still share cache entries."""
-        return hashlib.sha256(f"{self.uuid()}:{self.local_layout}".encode()).hexdigest()[:32]
-
-    @property
-    def passes_on(self) -> bool:
-        """Whether any post-grad pass has work to do."""
-        config = self.config
-        return (
-            config.manual_bucketing
-            or config.overlap_grad_reduce
-            or config.reduce_scatter_impl != "native"
-            or self.gather_group is not None
-        )
-
-
-def get_state(model: nn.Module) -> OverlapState | None:
-    """The ``OverlapState`` that ``parallelize`` attached to ``model``, if any."""
-    return getattr(model, _STATE_ATTR, None)
-
-
-def _source_digest() -> str:
-    files = sorted((_PACKAGE_DIR / "passes").glob("*.py")) + [
-        _PACKAGE_DIR / name for name in ("compile.py", "inductor_passes.py", "_torch_compat.py")
-    ]
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-_SOURCE_DIGEST = _source_digest()
-
-
-def _pass_uuid(state: OverlapState) -> str:
-    payload = {
-        "config": state.config.to_dict(),
-        "plan": state.plan,
-        "model": state.model_fingerprint,
-        "world": state.world_size,
-        "mesh": list(state.mesh_shape),
-        "gather_group": state.gather_group,
-        "checkpointed": state.checkpointed,
-        "source": _SOURCE_DIGEST,
-        "torch": compat.TORCH_VERSION,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A digest of the module tree and parameter shapes (no values)."""
-    digest = hashlib.sha256()
-    for name, module in model.named_modules():
-        digest.update(f"{name}:{type(module).__qualname__};".encode())
-    for name, param in model.named_parameters():
-        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
-    return digest.hexdigest()[:32]
-
-
-def local_layout(model: nn.Module) -> str:
-    """A digest of this rank's local shard shapes and strides (``to_local()`` of every
-    sharded parameter): equal on ranks whose compiled code is interchangeable."""
-    from torch.distributed.tensor import DTensor
-
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            local = param.to_local()
-            digest.update(f"{name}:{tuple(local.shape)}:{local.stride()};".encode())
-    return digest.hexdigest()[:32]
+# The graph id is this many hex characters of the Dynamo graph's fingerprint: a directory
+# name per graph of one model (records.py), where a collision only needs to be unlikely.
+_GRAPH_ID_CHARS = 16
 
 
 # --------------------------------------------------------------------------- passes
+class PassEntry(NamedTuple):
+    """One pass as the wiring runs it: its statistics go to ``record["passes"][name]``."""
+
+    name: str
+    pass_fn: Callable[[fx.GraphModule, OverlapState], dict]  # runs the pass, returns its statistics
+    applies_to: Callable[[str, OverlapState], bool]  # (graph kind, state) -> whether it runs
+
+
+def _reorders(config: OverlapConfig) -> bool:
+    """The passes that move collectives are on (bucketing or gradient overlap)."""
+    return config.manual_bucketing or config.overlap_grad_reduce
+
+
+# Each pass is looked up in ``passes`` when it runs (not bound here), so what runs is
+# always what ``passes`` holds now.
+POST_GRAD_PASSES: tuple[PassEntry, ...] = (
+    PassEntry(
+        "gather_group",
+        lambda gm, state: passes.use_gather_group(gm, state.gather_group),
+        lambda kind, state: state.gather_group is not None,
+    ),
+    # before the bucketing: the one reduction of a tied parameter is bucketed like any other
+    PassEntry(
+        "tied",
+        lambda gm, state: passes.merge_tied_reductions(gm),
+        lambda kind, state: kind == "backward" and _reorders(state.config),
+    ),
+    PassEntry(
+        "manual_bucketing",
+        lambda gm, state: passes.manual_bucketing(gm, state.plan),
+        lambda kind, state: state.config.manual_bucketing,
+    ),
+    PassEntry(
+        "overlap_grad_reduce",
+        lambda gm, state: passes.overlap_grad_reduce(gm),
+        lambda kind, state: kind == "backward" and state.config.overlap_grad_reduce,
+    ),
+    PassEntry(
+        "all_to_all",
+        lambda gm, state: passes.reduce_scatter_as_all_to_all(gm),
+        lambda kind, state: kind == "backward" and state.config.reduce_scatter_impl == "all_to_all",
+    ),
+    # after every reordering: turn the final order into dependencies inductor keeps
+    PassEntry(
+        "pin_order",
+        lambda gm, state: passes.pin_collective_order(gm),
+        lambda kind, state: state.config.backend == "inductor" and _reorders(state.config),
+    ),
+)
+
+
+def _annotate_reshard(gm: fx.GraphModule, state: OverlapState) -> dict:
+    config = state.config
+    return passes.annotate_reshard(
+        gm,
+        state.plan,
+        reshard_after_forward=config.reshard_after_forward,
+        reshard_last_bucket=config.reshard_last_bucket,
+        # one graph (fullgraph): its last bucket is the forward's last; with graph breaks
+        # only the plan's last bucket may stay gathered (a graph cannot know it is the last)
+        keepable=None if config.fullgraph else state.last_bucket,
+    )
+
+
+# The joint-graph passes: activation-checkpointing recompute tags, then the reshard tags
+# of the parameter gathers (which override the first inside a region).
+JOINT_PASSES: tuple[PassEntry, ...] = (
+    PassEntry(
+        "checkpointing",
+        lambda gm, state: passes.annotate_activation_checkpointing(gm, state.config.activation_checkpointing_policy),
+        lambda kind, state: bool(state.checkpointed),
+    ),
+    PassEntry("reshard", _annotate_reshard, lambda kind, state: True),
+)
+
+
+def _apply(entries: tuple[PassEntry, ...], gm: fx.GraphModule, kind: str, state: OverlapState) -> dict[str, dict]:
+    """Run the entries that apply to this graph, in order: name -> its statistics."""
+    return {entry.name: entry.pass_fn(gm, state) for entry in entries if entry.applies_to(kind, state)}
+
+
 def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference: bool = False) -> dict:
-    """Run the configured passes on one compiled graph and record what they did.
+    """Run ``POST_GRAD_PASSES`` on one compiled graph and record what they did.
 
     ``kind`` is "forward" or "backward"; an inference graph (no backward, e.g. under
-    ``no_grad``) is a forward with ``inference=True``.
+    ``no_grad``) is a forward with ``inference=True``. The passes only return
+    statistics; recording them, recompiling and linting the graph happen here, once.
     """
-    from .records import save_record
-    from .report import graph_events, summarize_pass
-
-    config = state.config
     record: dict[str, Any] = {
         "graph": kind,
         "graph_id": state.graph_id,
@@ -192,33 +171,20 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
         "passes": {},
     }
     events_before = graph_events(gm.graph, state.plan)
-    if state.gather_group is not None:
-        record["passes"]["gather_group"] = {"moved": passes.use_gather_group(gm, state.gather_group)}
-    if kind == "backward" and (config.manual_bucketing or config.overlap_grad_reduce):
-        # before the bucketing: the one reduction of a tied parameter is bucketed like any other
-        tied = record["passes"]["tied"] = passes.merge_tied_reductions(gm)
-        if tied["left"]:
-            warnings.warn(
-                f"fsdp-overlap: {tied['left']} sum(s) of gradient reductions in the backward graph were left as "
-                "they are (their reduction chains differ): a parameter used twice, such as a tied embedding, is "
-                "then reduced once per use, twice the bytes. schedule_report shows tied(left=...).",
-                UnbucketedWarning,
-                stacklevel=2,
-            )
-    if config.manual_bucketing:
-        passes.manual_bucketing(gm, state.plan, recompile=False)
-        stats = gm.meta.get("fsdp_overlap", {}).get("manual_bucketing", {})
-        record["left_unbucketed"] = stats.pop("left_unbucketed", [])
-        record["passes"]["manual_bucketing"] = stats
-    if config.overlap_grad_reduce and kind == "backward":
-        passes.overlap_grad_reduce(gm, recompile=False)
-        record["passes"]["overlap_grad_reduce"] = gm.meta.get("fsdp_overlap", {}).get("overlap_grad_reduce", {})
-    if config.reduce_scatter_impl == "all_to_all" and kind == "backward":
-        record["passes"]["all_to_all"] = passes.reduce_scatter_as_all_to_all(gm, recompile=False)
-    if config.backend == "inductor" and (config.manual_bucketing or config.overlap_grad_reduce):
-        # after every reordering: turn the final order into dependencies inductor keeps
-        record["passes"]["pin_order"] = passes.pin_collective_order(gm, recompile=False)
-    gm.recompile()  # once, after all passes (the passes were told not to)
+    record["passes"].update(_apply(POST_GRAD_PASSES, gm, kind, state))
+    bucketing = record["passes"].get("manual_bucketing")
+    if bucketing is not None:
+        record["left_unbucketed"] = bucketing.pop("left_unbucketed", [])
+    tied = record["passes"].get("tied")
+    if tied is not None and tied["left"]:
+        warnings.warn(
+            f"fsdp-overlap: {tied['left']} sum(s) of gradient reductions in the backward graph were left as "
+            "they are (their reduction chains differ): a parameter used twice, such as a tied embedding, is "
+            "then reduced once per use, twice the bytes. schedule_report shows tied(left=...).",
+            UnbucketedWarning,
+            stacklevel=2,
+        )
+    gm.recompile()  # once, after all passes (no pass regenerates the code itself)
     record["after"] = collective_counts(gm.graph)
     record["nodes"] = len(gm.graph.nodes)
     gm.graph.lint()  # once, after every pass, instead of inside each
@@ -238,25 +204,14 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
 
 
 def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
-    """The joint-graph passes: activation-checkpointing recompute tags, then the
-    reshard tags of the parameter gathers (which override the first inside a region)."""
-    config = state.config
-    checkpointing = None
-    if state.checkpointed:
-        checkpointing = passes.annotate_activation_checkpointing(gm, config.activation_checkpointing_policy)
+    """Run ``JOINT_PASSES`` on a joint graph (before partitioning) and record them: the
+    reshard statistics at the top of the record, the checkpointing ones under
+    ``checkpointing``. Both only tag nodes, so nothing is recompiled."""
+    stats = _apply(JOINT_PASSES, gm, "joint", state)
+    checkpointing = stats.get("checkpointing")
+    if checkpointing is not None:
         _warn_untraced_checkpoints(state, checkpointing)
-    stats = passes.annotate_reshard(
-        gm,
-        state.plan,
-        reshard_after_forward=config.reshard_after_forward,
-        reshard_last_bucket=config.reshard_last_bucket,
-        # one graph (fullgraph): its last bucket is the forward's last; with graph breaks
-        # only the plan's last bucket may stay gathered (a graph cannot know it is the last)
-        keepable=None if config.fullgraph else state.last_bucket,
-    )
-    from .records import save_record
-
-    record = {"graph": "joint", "graph_id": state.graph_id, **stats}
+    record = {"graph": "joint", "graph_id": state.graph_id, **stats["reshard"]}
     if checkpointing is not None:
         record["checkpointing"] = checkpointing
     state.reshard.append(record)
@@ -368,7 +323,7 @@ def overlap_backend(state: OverlapState):
         # the records of this graph are kept under its fingerprint, so a later process whose
         # FX graph cache hits (and whose passes therefore do not run) finds them
         # (grad mode too: the same Dynamo graph compiles to a training or an inference graph)
-        state.graph_id = digest[:16] + ("" if torch.is_grad_enabled() else "-no-grad")
+        state.graph_id = digest[:_GRAPH_ID_CHARS] + ("" if torch.is_grad_enabled() else "-no-grad")
         graph_id = state.graph_id
         records_before = len(state.records)
         error: BaseException | None = None
@@ -473,8 +428,6 @@ _MESSAGE_CHARS = 2000
 def _records_from_cache(state: OverlapState, graph_id: str) -> list[dict]:
     """The records the passes left for this graph when it was compiled before: on an FX
     graph cache hit inductor loads compiled code without running them."""
-    from .records import load_graph_records
-
     records = [dict(r, from_cache=True) for r in load_graph_records(state.cache_key(), graph_id, rank=state.rank)]
     joints = {r.get("graph_id") for r in state.reshard}
     for record in records:

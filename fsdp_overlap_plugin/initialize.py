@@ -74,7 +74,7 @@ def slots(model: nn.Module) -> list[_Slot]:
 
 
 def _default_policy(model: nn.Module) -> str:
-    from .compile import get_state
+    from .state import get_state
 
     for module in model.modules():
         state = get_state(module)

@@ -12,6 +12,10 @@ Dynamo traced, so every graph of a model with graph breaks has its own records; 
 is there because a rank's local shard shapes, and so its schedule, may differ from
 another rank's. When the compile wiring sees a graph compiled with no record made, it
 loads them from here and marks them ``from_cache``.
+
+What a record holds is read here too: ``record_name`` (what graph it is of) and
+``summarize_pass`` (one pass's statistics in a few numbers), shared by the compile
+wiring's log line and ``report.format_report``.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["load_graph_records", "record_name", "save_record", "store_dir"]
+__all__ = ["KINDS", "SUMMARY_STATS", "load_graph_records", "record_name", "save_record", "store_dir", "summarize_pass"]
 
 _NAMES = ("joint", "forward", "backward", "inference")
+#: The kinds of training graph (an inference graph is a forward with ``inference: true``).
+KINDS = ("forward", "backward")
 
 
 def store_dir(uuid: str, graph_id: str | None, rank: int = 0) -> Path:
@@ -36,6 +43,37 @@ def record_name(record: dict) -> str:
     """What a record is of: "forward", "backward", "joint", or "inference" (a forward
     compiled under ``no_grad``)."""
     return "inference" if record.get("inference") else record["graph"]
+
+
+# The few numbers of each pass a summary line shows (the report keeps them all); keyed
+# by the pass names of ``compile.POST_GRAD_PASSES``.
+SUMMARY_STATS = {
+    "gather_group": ("moved",),
+    "manual_bucketing": (
+        "buckets",
+        "prefetched",
+        "deferred_rs_waits",
+        "gathers_first",
+        "unbucketed_all_gathers",
+        "unbucketed_reduce_scatters",
+    ),
+    "overlap_grad_reduce": ("matched", "launches_advanced", "waits_sunk"),
+    "all_to_all": ("rewritten",),
+    "tied": ("merged", "params", "left"),
+    "pin_order": ("dependencies",),
+}
+
+
+def summarize_pass(name: str, stats: Any) -> str:
+    """``name(key=value, ...)`` with the keys worth a glance; zero 'unbucketed' counts omitted."""
+    if not isinstance(stats, dict):
+        return name
+    shown = [
+        f"{key}={stats[key]}"
+        for key in SUMMARY_STATS.get(name, ())
+        if key in stats and not (key.startswith("unbucketed") and not stats[key])
+    ]
+    return f"{name}({', '.join(shown)})" if shown else name
 
 
 def save_record(uuid: str, record: dict, *, rank: int = 0) -> None:

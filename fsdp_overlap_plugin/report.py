@@ -4,163 +4,36 @@
 the totals per kind; ``format_report`` turns it into the summary the examples print. A
 graph loaded from the FX graph cache (its passes did not run in this process) shows the
 record stored when it was compiled (``records.py``), marked as from the cache.
+
+Only reads: the records the compile wiring left on the model's ``OverlapState``
+(``state.py``), the schedules in them (made by ``passes/events.py``) and the cost model
+(``costmodel.py``, for ``report["predicted"]``). It imports no compile code.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch.nn as nn
 
+from .costmodel import predicted
+from .records import KINDS, SUMMARY_STATS, record_name, summarize_pass
+from .state import get_state
+
 __all__ = [
-    "draw_timeline",
+    "SUMMARY_STATS",
+    "checkpointing_total",
     "format_report",
-    "graph_events",
-    "predicted",
+    "reshard_total",
     "schedule_report",
-    "simulate",
+    "summarize_pass",
     "total_of",
 ]
 
-_KINDS = ("forward", "backward")
-
-
-def _tensor_bytes(val: Any) -> int:
-    import torch
-
-    if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in val)
-    return 0
-
-
-def _flops(node: Any) -> int:
-    """Rough FLOPs of a node: 2*M*N*K for matmuls, 4*B*H*L*S*D for attention, one per
-    output element otherwise. Good enough to draw and compare schedules."""
-    import torch
-
-    from .passes.graph import effective_target, node_args
-
-    aten = torch.ops.aten
-    target = effective_target(node)
-    args = node_args(node)
-
-    def shape(i: int) -> list[int]:
-        arg = args[i] if i < len(args) else None
-        val = getattr(arg, "meta", {}).get("val")
-        return list(val.shape) if isinstance(val, torch.Tensor) else []
-
-    try:
-        if target is aten.mm.default:
-            (m, k), (_, n) = shape(0), shape(1)
-            return 2 * m * n * k
-        if target is aten.addmm.default:
-            (m, k), (_, n) = shape(1), shape(2)
-            return 2 * m * n * k
-        if target is aten.bmm.default:
-            (b, m, k), (_, _, n) = shape(0), shape(1)
-            return 2 * b * m * n * k
-        if "scaled_dot_product" in str(target):
-            b, h, lq, d = shape(0)
-            return 4 * b * h * lq * shape(1)[2] * d
-    except ValueError:
-        pass
-    val = node.meta.get("val")
-    return int(val.numel()) if isinstance(val, torch.Tensor) else 0
-
-
-def graph_events(graph: Any, plan: list[list[str]]) -> list[dict]:
-    """The graph's schedule as a list: each launch, each wait, and runs of compute merged
-    into one item, in graph order. Items: ``{"op": "all_gather" | "reduce_scatter" |
-    "all_reduce" | "collective" | "wait" | "compute", "name", "bucket", "module",
-    "bytes", "flops", "of"}`` (``of``: the launch a wait waits on)."""
-    from .passes.graph import (
-        collective_of_wait,
-        is_all_gather,
-        is_all_reduce,
-        is_collective,
-        is_reduce_scatter,
-        is_view,
-        is_wait,
-        module_path,
-        node_args,
-    )
-    from .passes.plan_index import BucketIndex
-
-    index = BucketIndex(plan)
-    events: list[dict] = []
-
-    def bucket(node: Any) -> int | None:
-        b = node.meta.get("fsdp_overlap_bucket")
-        return b if b is not None else index.bucket_of(module_path(node))
-
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if is_wait(node):
-            coll = collective_of_wait(node)
-            events.append(
-                {
-                    "op": "wait",
-                    "name": node.name,
-                    "bucket": bucket(coll) if coll is not None else None,
-                    "module": module_path(node),
-                    "bytes": 0,
-                    "flops": 0,
-                    "of": coll.name if coll is not None else None,
-                }
-            )
-        elif is_collective(node):
-            op = (
-                "all_gather"
-                if is_all_gather(node)
-                else "reduce_scatter"
-                if is_reduce_scatter(node)
-                else "all_reduce"
-                if is_all_reduce(node)
-                else "all_to_all"
-                if "all_to_all" in str(node.target)
-                else "collective"
-            )
-            # bytes a rank receives: the gathered output, or the reduce-scatter input
-            size = (
-                _tensor_bytes(node.meta.get("val"))
-                if op == "all_gather"
-                else _tensor_bytes(getattr(node_args(node)[0], "meta", {}).get("val"))
-            )
-            events.append(
-                {
-                    "op": op,
-                    "name": node.name,
-                    "bucket": bucket(node),
-                    "module": module_path(node),
-                    "bytes": size,
-                    "flops": 0,
-                    "of": None,
-                }
-            )
-        elif not is_view(node) and node.target is not operator.getitem:
-            flops, size = _flops(node), _tensor_bytes(node.meta.get("val"))
-            if events and events[-1]["op"] == "compute":
-                events[-1]["flops"] += flops
-                events[-1]["bytes"] += size
-                events[-1]["nodes"] += 1
-            else:
-                events.append(
-                    {
-                        "op": "compute",
-                        "name": node.name,
-                        "bucket": None,
-                        "module": module_path(node),
-                        "bytes": size,
-                        "flops": flops,
-                        "of": None,
-                        "nodes": 1,
-                    }
-                )
-    return events
+# The graph column is at least this wide: "inference" fits without widening the table.
+_GRAPH_COLUMN = len("inference")
+# Checkpointed modules named in full in the summary line; more show as "first, ..., last".
+_NAMED_MODULES = 3
 
 
 def schedule_report(model: nn.Module) -> dict[str, Any]:
@@ -176,8 +49,6 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
     there is one, or the totals over all of them (``graphs: n``) when graph breaks made
     several; None before the first step.
     """
-    from .compile import get_state
-
     state = get_state(model)
     if state is None:
         raise ValueError("schedule_report: this model was not prepared by fsdp_overlap_plugin.parallelize().")
@@ -207,7 +78,7 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
         "graphs": graphs,
         "compile_cache": list(state.compile_cache),
     }
-    for kind in _KINDS:
+    for kind in KINDS:
         training = [r for r in graphs if r["graph"] == kind and not r.get("inference")]
         report[kind] = training[0] if len(training) == 1 else (total_of(training) if training else None)
     report["predicted"] = predicted(report)
@@ -248,8 +119,6 @@ def checkpointing_total(state: Any) -> dict:
 
 def _labelled(records: list[dict]) -> list[dict]:
     """Copies of the records with ``label``: "forward", or "forward 2 of 3" when several."""
-    from .records import record_name
-
     totals: dict[str, int] = {}
     for record in records:
         totals[record_name(record)] = totals.get(record_name(record), 0) + 1
@@ -293,36 +162,6 @@ def total_of(records: list[dict]) -> dict:
     return total
 
 
-# The few numbers of each pass a summary line shows (the report keeps them all).
-SUMMARY_STATS = {
-    "gather_group": ("moved",),
-    "manual_bucketing": (
-        "buckets",
-        "prefetched",
-        "deferred_rs_waits",
-        "gathers_first",
-        "unbucketed_all_gathers",
-        "unbucketed_reduce_scatters",
-    ),
-    "overlap_grad_reduce": ("matched", "launches_advanced", "waits_sunk"),
-    "all_to_all": ("rewritten",),
-    "tied": ("merged", "params", "left"),
-    "pin_order": ("dependencies",),
-}
-
-
-def summarize_pass(name: str, stats: Any) -> str:
-    """``name(key=value, ...)`` with the keys worth a glance; zero 'unbucketed' counts omitted."""
-    if not isinstance(stats, dict):
-        return name
-    shown = [
-        f"{key}={stats[key]}"
-        for key in SUMMARY_STATS.get(name, ())
-        if key in stats and not (key.startswith("unbucketed") and not stats[key])
-    ]
-    return f"{name}({', '.join(shown)})" if shown else name
-
-
 def _arrow(record: dict | None, key: str) -> str:
     if not record:
         return "-"
@@ -353,7 +192,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("fallback_reason"):
         lines.append(f"  fell back to eager: {report['fallback_reason']}")
     lines.append(f"  plan: {len(report['plan'])} buckets: " + " ".join(str(b) for b in report["plan"]))
-    width = max([9] + [len(r.get("label", "")) for r in report.get("graphs") or []]) + 1
+    width = max([_GRAPH_COLUMN] + [len(r.get("label", "")) for r in report.get("graphs") or []]) + 1
     lines.append(
         f"  {'graph':<{width}} {'all-gathers':>12} {'reduce-scatters':>16} {'all-reduces':>12} {'waits':>10}  passes"
     )
@@ -372,7 +211,7 @@ def format_report(report: dict[str, Any]) -> str:
         )
 
     graphs = report.get("graphs") or []
-    for kind in _KINDS:
+    for kind in KINDS:
         record = report.get(kind)
         if record is None:
             lines.append(
@@ -415,7 +254,7 @@ def format_report(report: dict[str, Any]) -> str:
     ac = report.get("activation_checkpointing") or {}
     if ac:
         modules = ac["modules"]
-        names = ", ".join(modules) if len(modules) <= 3 else f"{modules[0]}, ..., {modules[-1]}"
+        names = ", ".join(modules) if len(modules) <= _NAMED_MODULES else f"{modules[0]}, ..., {modules[-1]}"
         line = f"  activation checkpointing ({ac['policy']}): {len(modules)} modules ({names})"
         if ac["traced"] or ac["recompute"]:
             line += f"; {ac['recompute']} forward ops recomputed in backward, {ac['saved_by_policy']} saved"
@@ -425,129 +264,3 @@ def format_report(report: dict[str, Any]) -> str:
     for note in report.get("adjustments") or []:
         lines.append(f"  adjusted: {note}")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ cost model, timeline
-# Rough rates per device type for the *predicted* timeline: a model to compare schedules,
-# not a measurement. FLOP/s, memory bytes/s, and link bytes/s per rank.
-DEFAULT_RATES = {
-    "cpu": {"flops": 5e10, "mem": 1e10, "link": 300e6 / 8},  # one core; the 300 Mbit benchmark link
-    "cuda": {"flops": 4e14, "mem": 3e12, "link": 2.5e10},  # H100-class bf16, NVLink-ish
-    "npu": {"flops": 3e14, "mem": 1.6e12, "link": 2.5e10},
-}
-
-
-def simulate(events: list[dict], *, world: int, flops: float, mem: float, link: float) -> dict:
-    """Play a schedule on a two-lane machine: compute runs items in order; one link runs
-    collectives in issue order, each taking the bytes a ring collective sends per rank
-    ((world-1)/world of the full tensor) over ``link`` bytes/s; a wait blocks compute until
-    its collective is done. Returns the lanes and the predicted exposed communication
-    (time compute spent blocked in waits)."""
-    t_compute = t_link = 0.0
-    done: dict[str, float] = {}
-    compute, comm, blocked = [], [], []
-    exposed = 0.0
-    share = (world - 1) / world if world > 1 else 0.0
-    for ev in events:
-        op = ev["op"]
-        if op == "compute":
-            dur = max(ev.get("flops", 0) / flops, ev.get("bytes", 0) / mem)
-            compute.append((t_compute, t_compute + dur, ev.get("module")))
-            t_compute += dur
-        elif op == "wait":
-            end = done.get(ev.get("of") or "", t_compute)
-            if end > t_compute:
-                blocked.append((t_compute, end, ev.get("bucket")))
-                exposed += end - t_compute
-                t_compute = end
-        else:
-            start = max(t_compute, t_link)
-            dur = ev.get("bytes", 0) * share / link
-            comm.append((start, start + dur, op, ev.get("bucket")))
-            t_link = start + dur
-            done[ev["name"]] = t_link
-    total = max([t_compute] + [end for end in done.values()])
-    busy = sum(b - a for a, b, *_ in comm)
-    return {
-        "total_s": total,
-        "exposed_comm_s": exposed,
-        "comm_s": busy,
-        "compute_s": sum(b - a for a, b, _ in compute),
-        "compute": compute,
-        "comm": comm,
-        "blocked": blocked,
-    }
-
-
-def predicted(report: dict, rates: dict | None = None) -> dict:
-    """Predicted total and exposed-communication seconds per kind of graph, before/after
-    the passes: the sum over that kind's training graphs (one, without graph breaks)."""
-    rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
-    keys = ("total_s", "exposed_comm_s", "comm_s", "compute_s")
-    out: dict = {}
-    for kind in _KINDS:
-        records = [
-            r for r in report.get("graphs") or [] if r["graph"] == kind and not r.get("inference") and "schedule" in r
-        ]
-        if not records and (report.get(kind) or {}).get("schedule"):
-            records = [report[kind]]  # a report written before per-graph records
-        if not records:
-            continue
-        out[kind] = {}
-        for phase in ("before", "after"):
-            sims = [simulate(r["schedule"][phase], world=report["world_size"], **rates) for r in records]
-            out[kind][phase] = {k: round(sum(sim[k] for sim in sims), 6) for k in keys}
-    return out
-
-
-def draw_timeline(report: dict, path: str, rates: dict | None = None) -> str:
-    """Draw compute and communication lanes of each graph before and after the passes
-    (the cost model of ``simulate``) as a PNG. Needs matplotlib (the ``viz`` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError("the timeline needs matplotlib: pip install 'fsdp-overlap-plugin[viz]'") from None
-    rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
-    rows = [
-        (kind, phase) for kind in _KINDS if (report.get(kind) or {}).get("schedule") for phase in ("before", "after")
-    ]
-    if not rows:
-        raise ValueError("the report has no recorded schedules (run a training step first)")
-    sims = {row: simulate(report[row[0]]["schedule"][row[1]], world=report["world_size"], **rates) for row in rows}
-    horizon = max(s["total_s"] for s in sims.values()) or 1.0
-    colors = {
-        "all_gather": "#4c72b0",
-        "reduce_scatter": "#dd8452",
-        "all_to_all": "#dd8452",
-        "all_reduce": "#8172b3",
-        "collective": "#937860",
-    }
-    fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.35 * len(rows) + 0.8), sharex=True, squeeze=False)
-    for ax, row in zip(axes[:, 0], rows):
-        sim = sims[row]
-        ax.broken_barh([(a, b - a) for a, b, _ in sim["compute"]], (10, 8), facecolors="#55a868")
-        ax.broken_barh([(a, b - a) for a, b, *_ in sim["blocked"]], (10, 8), facecolors="#c44e52", hatch="//")
-        for a, b, op, bucket in sim["comm"]:
-            ax.broken_barh([(a, b - a)], (0, 8), facecolors=colors.get(op, "#937860"), edgecolor="white", linewidth=0.4)
-            if bucket is not None and (b - a) > horizon / 60:
-                ax.text((a + b) / 2, 4, str(bucket), ha="center", va="center", fontsize=6, color="white")
-        ax.set_yticks([4, 14], ["comm", "compute"], fontsize=8)
-        ax.set_xlim(0, horizon * 1.01)
-        ax.set_title(
-            f"{row[0]} graph, {row[1]} the passes: {sim['total_s'] * 1e3:.1f} ms predicted, "
-            f"{sim['exposed_comm_s'] * 1e3:.1f} ms of communication exposed",
-            fontsize=9,
-            loc="left",
-        )
-    axes[-1, 0].set_xlabel(
-        "seconds (cost model: green compute, red = compute waiting, blue all-gather, orange reduce-scatter; "
-        "numbers = bucket)",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path

@@ -16,7 +16,10 @@ import torch.fx as fx
 
 from fsdp_overlap_plugin import OverlapConfigError
 from fsdp_overlap_plugin.passes import (
+    annotate_activation_checkpointing,
+    annotate_reshard,
     manual_bucketing,
+    merge_tied_reductions,
     overlap_grad_reduce,
     pin_collective_order,
     reduce_scatter_as_all_to_all,
@@ -96,23 +99,88 @@ def compute_nodes(gm: fx.GraphModule) -> list[tuple[str, str]]:
     ]
 
 
+# ------------------------------------------------------------------ the pass protocol
+@pytest.mark.parametrize("builder", [fsdp_forward_graph, fsdp_backward_graph])
+def test_every_pass_returns_statistics_and_leaves_the_module_to_the_wiring(builder):
+    """``pass(gm, ...) -> dict``: a pass rewrites the graph and tags nodes, but neither
+    writes ``gm.meta`` nor regenerates ``gm.forward`` (the wiring recompiles once)."""
+    gm = builder()
+    code = gm.code
+    results = [
+        annotate_activation_checkpointing(gm),
+        annotate_reshard(gm, PLAN),
+        use_gather_group(gm, "7"),
+        merge_tied_reductions(gm),
+        manual_bucketing(gm, PLAN),
+        overlap_grad_reduce(gm),
+        reduce_scatter_as_all_to_all(gm),
+        pin_collective_order(gm),
+    ]
+    assert all(isinstance(stats, dict) for stats in results)
+    assert results[4]["buckets"] == 4
+    assert "fsdp_overlap" not in gm.meta
+    assert gm.code == code
+    gm.graph.lint()
+
+
+def test_the_wiring_runs_one_list_of_passes_each_where_it_applies():
+    from fsdp_overlap_plugin.compile import JOINT_PASSES, POST_GRAD_PASSES
+    from fsdp_overlap_plugin.config import OverlapConfig
+    from fsdp_overlap_plugin.state import OverlapState
+
+    def state(**overrides):
+        config = OverlapConfig.coerce(None, **overrides)
+        return OverlapState(config=config, plan=[[p] for p in PLAN], device_type="cpu", world_size=2, mesh_shape=(2,))
+
+    def names(entries, kind, st):
+        return [e.name for e in entries if e.applies_to(kind, st)]
+
+    assert [e.name for e in POST_GRAD_PASSES] == [
+        "gather_group",
+        "tied",
+        "manual_bucketing",
+        "overlap_grad_reduce",
+        "all_to_all",
+        "pin_order",
+    ]
+    inductor = state(backend="inductor")
+    assert names(POST_GRAD_PASSES, "forward", inductor) == ["manual_bucketing", "pin_order"]
+    assert names(POST_GRAD_PASSES, "backward", inductor) == [
+        "tied",
+        "manual_bucketing",
+        "overlap_grad_reduce",
+        "pin_order",
+    ]
+    eager = state(backend="aot_eager", reduce_scatter_impl="all_to_all")
+    eager.gather_group = "7"
+    assert names(POST_GRAD_PASSES, "forward", eager) == ["gather_group", "manual_bucketing"]
+    assert names(POST_GRAD_PASSES, "backward", eager) == [
+        "gather_group",
+        "tied",
+        "manual_bucketing",
+        "overlap_grad_reduce",
+        "all_to_all",
+    ]
+    assert names(JOINT_PASSES, "joint", inductor) == ["reshard"]
+    inductor.checkpointed = ["blocks.0"]
+    assert names(JOINT_PASSES, "joint", inductor) == ["checkpointing", "reshard"]
+
+
 # ------------------------------------------------------------------ manual bucketing
 def test_forward_buckets_and_prefetches_one_ahead():
     gm = fsdp_forward_graph()
     assert sequence(gm).count("AG") == 8
-    manual_bucketing(gm, PLAN)
+    stats = manual_bucketing(gm, PLAN)
     assert sequence(gm) == "AG0 AG1 W0 mm mm AG2 W1 mm mm AG3 W2 mm mm W3 mm mm"
-    stats = gm.meta["fsdp_overlap"]["manual_bucketing"]
     assert (stats["all_gathers_before"], stats["all_gathers_after"], stats["buckets"]) == (8, 4, 4)
 
 
 def test_backward_prefetches_and_defers_reduce_scatter_waits():
     gm = fsdp_backward_graph()
-    manual_bucketing(gm, PLAN)
+    stats = manual_bucketing(gm, PLAN)
     assert sequence(gm) == (
         "AG3 mm AG2 W3 mm mm mm RS3 mm AG1 W2 mm mm mm RS2 Wrs3 mm AG0 W1 mm mm mm RS1 Wrs2 mm W0 mm mm mm RS0 Wrs1 Wrs0"
     )
-    stats = gm.meta["fsdp_overlap"]["manual_bucketing"]
     assert stats["reduce_scatters_after"] == 4 and stats["deferred_rs_waits"] == 3
 
 
@@ -137,9 +205,8 @@ def test_plan_entries_that_overlap_raise():
 
 def test_uncovered_collectives_stay_and_are_reported():
     gm = fsdp_forward_graph()
-    manual_bucketing(gm, ["blocks.0", "blocks.1"])
+    stats = manual_bucketing(gm, ["blocks.0", "blocks.1"])
     assert sequence(gm) == "AG0 AG1 W0 mm mm W1 mm mm AG2 W2 mm AG2 W2 mm AG3 W3 mm AG3 W3 mm"
-    stats = gm.meta["fsdp_overlap"]["manual_bucketing"]
     assert stats["unbucketed_all_gathers"] == 4
     assert stats["unbucketed_modules"] == ["blocks.2.lin0", "blocks.2.lin1", "blocks.3.lin0", "blocks.3.lin1"]
 
@@ -147,7 +214,7 @@ def test_uncovered_collectives_stay_and_are_reported():
 def test_separate_gather_group_moves_only_all_gathers():
     gm = fsdp_backward_graph()
     manual_bucketing(gm, PLAN)
-    assert use_gather_group(gm, "7") == 4
+    assert use_gather_group(gm, "7") == {"moved": 4}
     groups = {(("AG" if is_all_gather(n) else "RS"), n.args[-1]) for n in gm.graph.nodes if is_collective(n)}
     assert groups == {("AG", "7"), ("RS", "0")}
 
@@ -168,9 +235,9 @@ def test_all_gather_is_issued_before_a_ready_reduce_scatter():
     weight0 = g.gather(w[0], "blocks.0")
     outs.append(g.call(aten.mm.default, grad, weight0, module="blocks.0", backward=True))
     gm = g.finish(outs)
-    manual_bucketing(gm, ["blocks.0", "blocks.1", "blocks.2"])
+    stats = manual_bucketing(gm, ["blocks.0", "blocks.1", "blocks.2"])
     assert sequence(gm) == "AG2 AG1 W2 mm mm AG0 RS2 W1 mm mm RS1 Wrs2 Wrs1 W0 mm"
-    assert gm.meta["fsdp_overlap"]["manual_bucketing"]["gathers_first"] == 1
+    assert stats["gathers_first"] == 1
 
 
 def test_bucketing_is_deterministic():
@@ -184,13 +251,12 @@ def test_bucketing_is_deterministic():
 # -------------------------------------------------------------- gradient overlap
 def test_grad_overlap_launches_early_and_sinks_waits_to_first_use():
     gm = fsdp_backward_graph()
-    overlap_grad_reduce(gm)
+    stats = overlap_grad_reduce(gm)
     assert sequence(gm) == (
         "AG3 W3 mm RS3 mm AG3 W3 mm RS3 mm AG2 W2 mm RS2 mm AG2 W2 mm RS2 mm "
         "AG1 W1 mm RS1 mm AG1 W1 mm RS1 mm AG0 W0 mm RS0 mm AG0 W0 mm RS0 mm "
         "Wrs3 Wrs3 Wrs2 Wrs2 Wrs1 Wrs1 Wrs0 Wrs0"
     )
-    stats = gm.meta["fsdp_overlap"]["overlap_grad_reduce"]
     assert stats == {"matched": 8, "launches_advanced": 8, "wait_view_nodes_sunk": 7, "waits_sunk": 7}
     nodes = list(gm.graph.nodes)
     assert nodes[-2].op != "output" and all(is_wait(n) for n in nodes[-9:-1])
@@ -314,8 +380,7 @@ def test_grad_overlap_handles_waits_wrapped_in_control_deps():
     manual_bucketing(gm, PLAN, insert_overlap_deps=True)
     wrapped = [n for n in gm.graph.nodes if is_control_deps(n) and is_wait(n)]
     assert wrapped
-    overlap_grad_reduce(gm)
-    stats = gm.meta["fsdp_overlap"]["overlap_grad_reduce"]
+    stats = overlap_grad_reduce(gm)
     assert stats["matched"] == 4
     nodes = list(gm.graph.nodes)
     last_mm = max(i for i, n in enumerate(nodes) if effective_target(n) is aten.mm.default)
@@ -345,7 +410,9 @@ def test_pointwise_adds_one_op_per_weight_each(builder):
     plain, dense = builder(blocks=3, params_per_block=2), builder(blocks=3, params_per_block=2, pointwise=2)
     extra = [n for n in dense.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
     assert len(dense.graph.nodes) - len(plain.graph.nodes) == len(extra) == 3 * 2 * 2
-    assert_same_outputs(dense, manual_bucketing(copy.deepcopy(dense), [["blocks.0"], ["blocks.1"], ["blocks.2"]]))
+    bucketed = copy.deepcopy(dense)
+    manual_bucketing(bucketed, [["blocks.0"], ["blocks.1"], ["blocks.2"]])
+    assert_same_outputs(dense, bucketed)
 
 
 def test_grad_overlap_keeps_compute_order():

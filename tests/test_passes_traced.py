@@ -63,8 +63,7 @@ def test_traced_graphs_compute_the_same(traced, kind, passes):
 def test_traced_backward_waits_sink_below_all_compute(traced):
     gm = copy.deepcopy(traced["backward"])
     manual_bucketing(gm, ISSUE_PLAN)
-    overlap_grad_reduce(gm)
-    stats = gm.meta["fsdp_overlap"]["overlap_grad_reduce"]
+    stats = overlap_grad_reduce(gm)
     assert stats["matched"] == 6
     nodes = list(gm.graph.nodes)
     last_mm = max(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default)

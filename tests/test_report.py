@@ -1,4 +1,5 @@
-"""The schedule report's cost model, predicted numbers and timeline picture."""
+"""The schedule report's cost model, predicted numbers and timeline picture, and the
+report's place in the import graph."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_overlap_plugin.report import draw_timeline, predicted, simulate
+from fsdp_overlap_plugin.costmodel import draw_timeline, predicted, simulate
 
 RATES = {"flops": 1e9, "mem": 1e12, "link": 1e6}  # 1 GFLOP/s, memory free, 1 MB/s link
 
@@ -116,3 +117,16 @@ def test_timeline_without_schedules_is_a_clear_error(tmp_path):
         [sys.executable, "-m", "fsdp_overlap_plugin", "timeline", str(report_path)], capture_output=True, text=True
     )
     assert out.returncode == 2 and "no recorded schedules" in out.stderr
+
+
+def test_reading_a_report_never_imports_the_compile_wiring():
+    """report.py reads state, records and the cost model; compile.py imports report code,
+    never the other way round. Importing the package (which registers the Lightning
+    strategies and imports parallelize) does not load compile.py either."""
+    check = (
+        "import sys, fsdp_overlap_plugin.report; "
+        "assert 'fsdp_overlap_plugin.compile' not in sys.modules, "
+        "sorted(m for m in sys.modules if m.startswith('fsdp_overlap_plugin'))"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

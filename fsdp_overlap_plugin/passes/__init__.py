@@ -1,4 +1,10 @@
-"""Compiler passes: pure FX -> FX functions. No process-group calls, no tensor values.
+"""Compiler passes over FX graphs. No process-group calls, no tensor values.
+
+One protocol: ``pass(gm, ...) -> dict`` of statistics. A pass rewrites ``gm.graph`` in
+place and may tag nodes (``node.meta``: bucket indices, recompute tags); it never writes
+``gm.meta`` and never regenerates the code. The compile wiring (``compile.POST_GRAD_PASSES``,
+``compile.JOINT_PASSES``) records the statistics, and recompiles and lints a forward or
+backward graph once, after all its passes.
 
 * ``annotate_activation_checkpointing``  joint graph: recompute tags of checkpointed modules
 * ``annotate_reshard``      joint graph: reshard-after-forward recompute tags per bucket
@@ -8,6 +14,9 @@
 * ``use_gather_group``      run FSDP all-gathers on their own process group
 * ``reduce_scatter_as_all_to_all``  (opt-in) gradient reduce-scatters as all-to-all + sum
 * ``pin_collective_order``  (inductor) make the chosen order survive code generation
+
+``events.graph_events`` is no pass: it reads a graph's schedule (launches, waits, compute)
+for the report, before and after the passes.
 """
 
 from .all_to_all import reduce_scatter_as_all_to_all

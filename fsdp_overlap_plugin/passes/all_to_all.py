@@ -29,9 +29,9 @@ __all__ = ["reduce_scatter_as_all_to_all"]
 aten = torch.ops.aten
 
 
-def reduce_scatter_as_all_to_all(gm: fx.GraphModule, *, recompile: bool = True) -> dict:
+def reduce_scatter_as_all_to_all(gm: fx.GraphModule) -> dict:
     """Rewrite every gradient reduce-scatter of ``gm`` (see module doc). Returns
-    ``{"rewritten": n}``."""
+    ``{"rewritten": n}``. Changes only ``gm.graph``; the caller regenerates ``gm.forward``."""
     graph = gm.graph
     rewritten = 0
     for rs in list(graph.nodes):
@@ -77,6 +77,4 @@ def reduce_scatter_as_all_to_all(gm: fx.GraphModule, *, recompile: bool = True) 
             user.replace_input_with(wait, result)
         graph.erase_node(rs)
         rewritten += 1
-    if rewritten and recompile:
-        gm.recompile()
     return {"rewritten": rewritten}

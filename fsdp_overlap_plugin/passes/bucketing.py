@@ -24,7 +24,8 @@ Backward (buckets in reverse; all-gathers exist when parameters were resharded):
 
 Collectives of modules no plan entry covers are left exactly where they are and
 counted in the statistics. The pass never looks at tensor values or ranks, so every
-rank makes the same graph. Statistics go to ``gm.meta["fsdp_overlap"]["manual_bucketing"]``.
+rank makes the same graph. Returns its statistics (``manual_bucketing``); each merged
+collective and its wait carry their bucket in ``node.meta["fsdp_overlap_bucket"]``.
 """
 
 from __future__ import annotations
@@ -97,8 +98,7 @@ def manual_bucketing(
     module_bucket_plans: list,
     *,
     insert_overlap_deps: bool = False,
-    recompile: bool = True,
-) -> fx.GraphModule:
+) -> dict:
     """Bucket and reorder the FSDP collectives of ``gm`` per ``module_bucket_plans``.
 
     Args:
@@ -107,8 +107,12 @@ def manual_bucketing(
             compiled root; entries must not share modules (``OverlapConfigError``).
         insert_overlap_deps: wrap waits in ``control_deps`` so a later scheduler keeps the
             prefetch order (for inductor; not needed when the graph runs as it is).
-        recompile: regenerate ``gm.forward`` (the compile wiring passes False and
-            recompiles once after all passes; inductor lowers the graph, not the code).
+
+    Returns statistics: collectives before and after, merges, moves
+    (``prefetched``, ``deferred_rs_waits``, ``gathers_first``), what stayed unbucketed
+    (``unbucketed_*`` counts and modules) and ``left_unbucketed`` (see that function).
+    Changes only ``gm.graph``; the caller regenerates ``gm.forward`` (``gm.recompile()``)
+    if it runs the code.
     """
     buckets = _normalize(module_bucket_plans)
     check_disjoint(buckets)
@@ -172,16 +176,13 @@ def manual_bucketing(
     stats["merged_all_reduces"] = sum(_merge_replica_all_reduces(graph, u) for u in scatter_units)
     if insert_overlap_deps and deps:
         preserve_node_ordering(graph, deps)
-    if recompile:
-        gm.recompile()
 
     stats["buckets"] = len({u.bucket for u in gather_units + scatter_units})
     stats["all_gathers_after"] = stats["all_gathers_before"] - sum(len(v) - 1 for v in gather_groups.values())
     stats["reduce_scatters_after"] = stats["reduce_scatters_before"] - sum(len(v) - 1 for v in scatter_groups.values())
     stats["unbucketed_modules"] = sorted(unbucketed)
     stats["left_unbucketed"] = left_unbucketed(graph, index)
-    gm.meta.setdefault("fsdp_overlap", {})["manual_bucketing"] = stats
-    return gm
+    return stats
 
 
 def left_unbucketed(graph: fx.Graph, index: BucketIndex) -> list[dict]:
@@ -223,10 +224,16 @@ def left_unbucketed(graph: fx.Graph, index: BucketIndex) -> list[dict]:
     return list(groups.values())
 
 
+# Between a member's piece of a merged reduce-scatter and its HSDP all-reduce there are a
+# few views and copies (getitem, reshape, the narrow of a padded shard, a cast); a chain
+# longer than this is not such a path.
+_ALL_REDUCE_REACH = 16
+
+
 def _all_reduce_of(node: fx.Node) -> fx.Node | None:
     """The all-reduce that ``node`` reaches through single-user views and copies, if any."""
     cur = node
-    for _ in range(16):
+    for _ in range(_ALL_REDUCE_REACH):
         users = data_users(cur)
         if len(users) != 1:
             return None
@@ -413,14 +420,15 @@ def _feeds_only_scatters(node: fx.Node) -> bool:
     return all(is_reduce_scatter(u) or _feeds_only_scatters(u) for u in node.users)
 
 
-def use_gather_group(gm: fx.GraphModule, group: str) -> int:
+def use_gather_group(gm: fx.GraphModule, group: str) -> dict:
     """Run every FSDP all-gather of ``gm`` on process group ``group`` (same ranks as the
     shard group, its own communicator): on NCCL/HCCL a reduce-scatter issued earlier on
-    the shard group then cannot delay the next prefetch. Returns how many were moved.
-    Only arguments change; the caller recompiles ``gm`` if it runs its code."""
+    the shard group then cannot delay the next prefetch. Returns ``{"moved": n}``, the
+    all-gathers moved. Only arguments change; the caller recompiles ``gm`` if it runs its
+    code."""
     moved = 0
     for node in gm.graph.nodes:
         if is_fsdp_all_gather(node) and node.op == "call_function" and node.args[2] != group:
             node.update_arg(2, group)
             moved += 1
-    return moved
+    return {"moved": moved}

@@ -123,5 +123,4 @@ def annotate_activation_checkpointing(gm: fx.GraphModule, policy: str = "full") 
             saved += 1
         else:
             recomputed += 1
-    stats = {"regions": list(ids), "policy": policy, "recompute": recomputed, "saved_by_policy": saved}
-    return stats
+    return {"regions": list(ids), "policy": policy, "recompute": recomputed, "saved_by_policy": saved}

@@ -21,7 +21,7 @@ input: views, padding, bucket copy-in, dtype casts)::
 Compute nodes, arithmetic, tensor-parallel collectives and outputs are untouched; only
 positions change, the same way on every rank. Works on graphs the bucketing pass
 rewrote, including waits wrapped in ``control_deps``. Runs in O(nodes + edges).
-Statistics go to ``gm.meta["fsdp_overlap"]["overlap_grad_reduce"]``.
+Returns its statistics (``overlap_grad_reduce``).
 """
 
 from __future__ import annotations
@@ -180,9 +180,11 @@ def _sink_waits(
     return order, sunk
 
 
-def overlap_grad_reduce(gm: fx.GraphModule, *, recompile: bool = True) -> fx.GraphModule:
+def overlap_grad_reduce(gm: fx.GraphModule) -> dict:
     """Advance gradient reduce-scatter launches and sink their waits (see module doc).
-    ``recompile=False`` leaves regenerating ``gm.forward`` to the caller."""
+    Returns ``{"matched", "launches_advanced", "wait_view_nodes_sunk", "waits_sunk"}``:
+    the reduce-scatters found, launches moved earlier, wait/view nodes moved later, and
+    waits among them. Changes only ``gm.graph``; the caller regenerates ``gm.forward``."""
     graph = gm.graph
     merged_waits = merge_duplicate_waits(graph)
     nodes = list(graph.nodes)
@@ -193,13 +195,10 @@ def overlap_grad_reduce(gm: fx.GraphModule, *, recompile: bool = True) -> fx.Gra
     order, sunk = _sink_waits(order, matches, barriers)
     if advanced or sunk or merged_waits:
         relink(graph, order)
-        if recompile:
-            gm.recompile()
     stats = {
         "matched": len(matches),
         "launches_advanced": advanced,
         "wait_view_nodes_sunk": len(sunk),
         "waits_sunk": sum(1 for m in matches if m.realization[0] in sunk),
     }
-    gm.meta.setdefault("fsdp_overlap", {})["overlap_grad_reduce"] = stats
-    return gm
+    return stats

@@ -328,7 +328,20 @@ def owner_module(node: fx.Node) -> str | None:
     return module_path(node)
 
 
-def _built_from_inputs(node: fx.Node, limit: int = 4096) -> bool:
+# How many layout-only nodes ``_built_from_inputs`` walks back from an all-gather's input
+# before it gives up. A shard reaches its all-gather through a handful (cast, padding,
+# views); a bucket of shards through about two per shard plus one concatenation, so 4096
+# covers buckets of well over a thousand parameters. The bound keeps the test, asked of
+# every all-gather by several passes, from walking a whole graph; past it the all-gather
+# is not taken for a parameter gather (ours carry their FQN and never need the walk).
+_INPUT_WALK_LIMIT = 4096
+# How many nodes ``_reduced`` walks back from one operand of a sum to its reduce-scatters:
+# a wait, a few views or casts (and on HSDP an all-reduce and its wait) per use of a
+# parameter, times the few uses a tied parameter has.
+_REDUCED_WALK_LIMIT = 64
+
+
+def _built_from_inputs(node: fx.Node, limit: int = _INPUT_WALK_LIMIT) -> bool:
     """True if ``node`` is made from graph inputs by layout-only operations (views,
     casts, padding, concatenation): a parameter shard, or a bucket of them."""
     seen: set[fx.Node] = set()
@@ -401,7 +414,7 @@ def _is_add(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.aten.add.Tensor
 
 
-def _reduced(node: fx.Node, limit: int = 64) -> bool:
+def _reduced(node: fx.Node, limit: int = _REDUCED_WALK_LIMIT) -> bool:
     """``node`` is a reduce-scatter's result, through single-input operations and sums of
     such results (the gradient of a parameter with several uses)."""
     stack, seen = [node], set()

@@ -45,12 +45,12 @@ _COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "custom
 
 
 class MergeResult:
-    """The nodes a merge created: the new launch, its wait, and everything inserted."""
+    """The nodes a merge created that the bucketing moves: the new launch, its wait, and
+    the nodes after the wait (the views that replace the old waits)."""
 
-    def __init__(self, start: fx.Node, wait: fx.Node, inputs_side: list[fx.Node], outputs_side: list[fx.Node]):
+    def __init__(self, start: fx.Node, wait: fx.Node, outputs_side: list[fx.Node]):
         self.start = start
         self.wait = wait
-        self.inputs_side = inputs_side  # from the inputs up to and including the launch
         self.outputs_side = outputs_side  # the wait and the views that replace old waits
 
 
@@ -177,7 +177,7 @@ def merge_all_gathers(
     flats = [builder.call(aten.reshape.default, x, [-1], val=t([n])) for x, n in zip(inputs, numels)]
     cat = builder.call(aten.cat.default, flats, val=t([total]))
     start = builder.call(C10D.all_gather_into_tensor.default, cat, size, group, val=t([size * total]))
-    inputs_side = list(builder.created)
+    launch_side = len(builder.created)  # from the inputs up to and including the launch
     wait = builder.call(C10D.wait_tensor.default, start, val=t([size * total]))
     rows = builder.call(aten.view.default, wait, [size, total], val=t([size, total]))
     pieces = [t([size, n], [total, 1]) for n in numels]
@@ -190,7 +190,7 @@ def merge_all_gathers(
         out = builder.call(aten.reshape.default, piece, full, val=t(full))
         # launched where the first member was: every user of a member comes later
         _retire(graph, ag, out, retired, reorders=False)
-    return MergeResult(start, wait, inputs_side, builder.created[len(inputs_side) :])
+    return MergeResult(start, wait, builder.created[launch_side:])
 
 
 def merge_reduce_scatters(
@@ -217,7 +217,7 @@ def merge_reduce_scatters(
     cat = builder.call(aten.cat.default, rows, 1, val=t([size, total]))
     flat = builder.call(aten.reshape.default, cat, [-1], val=t([size * total]))
     start = builder.call(C10D.reduce_scatter_tensor.default, flat, op, size, group, val=t([total]))
-    inputs_side = list(builder.created)
+    launch_side = len(builder.created)  # from the inputs up to and including the launch
     wait = builder.call(C10D.wait_tensor.default, start, val=t([total]))
     pieces = [t([c]) for c in chunks]
     parts = builder.call(
@@ -229,7 +229,7 @@ def merge_reduce_scatters(
         out = builder.call(aten.reshape.default, piece, out_shape, val=t(out_shape))
         # launched where the last member was: users of earlier members may come before
         _retire(graph, rs, out, retired, reorders=True)
-    return MergeResult(start, wait, inputs_side, builder.created[len(inputs_side) :])
+    return MergeResult(start, wait, builder.created[launch_side:])
 
 
 def bucket_key(node: fx.Node) -> tuple:

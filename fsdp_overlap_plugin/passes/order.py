@@ -9,7 +9,6 @@ later comparisons stay O(1) and no pass re-enumerates the node list per moved no
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
 
 import torch.fx as fx
 
@@ -23,11 +22,6 @@ class Positions:
 
     def __getitem__(self, node: fx.Node) -> float:
         return self.pos[node]
-
-    def add_new(self, nodes: Iterable[fx.Node]) -> None:
-        """Give positions to nodes just inserted into the graph (by their neighbours)."""
-        for node in nodes:
-            self._place_between(node.prev, node.next, [node])
 
     def _place_between(self, prev: fx.Node, nxt: fx.Node, nodes: list[fx.Node]) -> None:
         lo = self.pos.get(prev, -1.0) if prev.op != "root" else -1.0

@@ -52,9 +52,10 @@ def is_anchor(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _ANCHORS
 
 
-def pin_collective_order(gm: fx.GraphModule, *, recompile: bool = True) -> dict:
+def pin_collective_order(gm: fx.GraphModule) -> dict:
     """Add ordering dependencies that keep each collective's overlap window (see module
-    doc). Returns statistics: windows pinned and dependencies added."""
+    doc). Returns ``{"windows_pinned", "dependencies"}``. Changes only ``gm.graph``; the
+    caller regenerates ``gm.forward``."""
     graph = gm.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -84,6 +85,4 @@ def pin_collective_order(gm: fx.GraphModule, *, recompile: bool = True) -> dict:
     added = sum(len(v) for v in deps.values())
     if deps:
         preserve_node_ordering(graph, dict(deps))
-        if recompile:
-            gm.recompile()
     return {"windows_pinned": windows, "dependencies": added}

@@ -127,5 +127,4 @@ def annotate_reshard(
         "kept_bucket": index.describe(kept_key) if kept_key is not None else None,
         "tied": tied,
     }
-    gm.meta.setdefault("fsdp_overlap", {})["reshard"] = stats
     return stats

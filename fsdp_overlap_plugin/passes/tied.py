@@ -191,9 +191,7 @@ def merge_tied_reductions(gm: fx.GraphModule) -> dict:
         merged += 1
         fqns = sorted({param_fqn(chain[0][0]) for chain in chains} - {None})
         params.append(fqns[0] if len(fqns) == 1 else " = ".join(fqns) or None)
-    stats = {"merged": merged, "reductions_removed": removed, "params": params, "left": left}
-    gm.meta.setdefault("fsdp_overlap", {})["tied"] = stats
-    return stats
+    return {"merged": merged, "reductions_removed": removed, "params": params, "left": left}
 
 
 def _erase_sum(graph: fx.Graph, add: fx.Node) -> None:

@@ -1,0 +1,144 @@
+"""``OverlapState``: what ``parallelize`` decided for one model, and what the passes did.
+
+Attached to the model (``get_state``), read by the compile wiring, the report and the
+adapters. Also the identity of everything that changes what the passes do
+(``OverlapState.uuid`` / ``cache_key``): inductor's caches and the rank-agreement keys
+are built from it. Imports no compile code, so reading a model's state or its report
+never loads the compile wiring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from . import _torch_compat as compat
+from .config import OverlapConfig
+
+__all__ = ["OverlapState", "get_state", "local_layout", "model_fingerprint"]
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_STATE_ATTR = "_fsdp_overlap_state"
+# Hex characters kept of a sha256 digest (128 bits): collision-free in practice, and
+# short enough for cache directory names and log lines.
+_DIGEST_CHARS = 32
+# The source files whose code decides what the passes do to a graph, what they record and
+# how the uuid is made: a change to any of them invalidates inductor's caches (every file
+# of passes/, events.py included).
+_SOURCE_FILES = ("compile.py", "inductor_passes.py", "_torch_compat.py", "state.py")
+
+
+@dataclass
+class OverlapState:
+    """What ``parallelize`` decided for one model, and what the passes reported."""
+
+    config: OverlapConfig
+    plan: list[list[str]]
+    device_type: str
+    world_size: int
+    mesh_shape: tuple[int, ...]
+    mesh: Any = None
+    gather_group: Any = None
+    model_fingerprint: str = ""
+    records: list[dict] = field(default_factory=list)
+    reshard: list[dict] = field(default_factory=list)  # per joint graph: what annotate_reshard did
+    last_bucket: int | None = None  # the plan's last entry that owns parameters
+    unbucketed_params: list[str] = field(default_factory=list)
+    fallback: str | None = None
+    instance: int = 0  # the n-th model prepared in this process: the same on every rank
+    dynamo_graphs: int = 0  # graphs Dynamo handed to our backend so far
+    called: bool = False  # the compiled forward has run once
+    graph_id: str | None = None  # the Dynamo graph being compiled now (its fingerprint)
+    rank: int = 0
+    adjustments: list[str] = field(default_factory=list)  # what parallelize changed on the model, and why
+    warned: set[str] = field(default_factory=set)  # modules already named in an unbucketed warning
+    param_entries: dict[str, int | None] = field(default_factory=dict)  # parameter FQN -> its plan entry
+    compile_cache: list[dict] = field(default_factory=list)  # per Dynamo graph: what inductor's caches did
+    local_layout: str = ""  # digest of this rank's shard shapes (they differ across ranks when uneven)
+    checkpointed: list[str] = field(default_factory=list)  # modules whose forward is recomputed in backward
+
+    def uuid(self) -> str:
+        """Identifies everything that changes what the passes do to a graph; the same on
+        every rank (the rank-agreement keys are built from it)."""
+        return _pass_uuid(self)
+
+    def cache_key(self) -> str:
+        """``uuid()`` plus this rank's local shard shapes: what our passes report to
+        inductor as their ``uuid()``, and so part of the AOT autograd and FX graph cache
+        keys. AOT autograd keys its cache on the graph Dynamo traced, whose DTensor
+        inputs carry global shapes only; with uneven shards (97 rows on 2 ranks: 49 and
+        48) every rank traces the same graph but compiles different code, and without
+        this a warm cache hands one rank another rank's code. Ranks whose shards have
+        equal shapes still share cache entries."""
+        return hashlib.sha256(f"{self.uuid()}:{self.local_layout}".encode()).hexdigest()[:_DIGEST_CHARS]
+
+    @property
+    def passes_on(self) -> bool:
+        """Whether any post-grad pass has work to do."""
+        config = self.config
+        return (
+            config.manual_bucketing
+            or config.overlap_grad_reduce
+            or config.reduce_scatter_impl != "native"
+            or self.gather_group is not None
+        )
+
+
+def get_state(model: nn.Module) -> OverlapState | None:
+    """The ``OverlapState`` that ``parallelize`` attached to ``model``, if any."""
+    return getattr(model, _STATE_ATTR, None)
+
+
+def _source_digest() -> str:
+    files = sorted((_PACKAGE_DIR / "passes").glob("*.py")) + [_PACKAGE_DIR / name for name in _SOURCE_FILES]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+_SOURCE_DIGEST = _source_digest()
+
+
+def _pass_uuid(state: OverlapState) -> str:
+    payload = {
+        "config": state.config.to_dict(),
+        "plan": state.plan,
+        "model": state.model_fingerprint,
+        "world": state.world_size,
+        "mesh": list(state.mesh_shape),
+        "gather_group": state.gather_group,
+        "checkpointed": state.checkpointed,
+        "source": _SOURCE_DIGEST,
+        "torch": compat.TORCH_VERSION,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:_DIGEST_CHARS]
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A digest of the module tree and parameter shapes (no values)."""
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{type(module).__qualname__};".encode())
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+    return digest.hexdigest()[:_DIGEST_CHARS]
+
+
+def local_layout(model: nn.Module) -> str:
+    """A digest of this rank's local shard shapes and strides (``to_local()`` of every
+    sharded parameter): equal on ranks whose compiled code is interchangeable."""
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            digest.update(f"{name}:{tuple(local.shape)}:{local.stride()};".encode())
+    return digest.hexdigest()[:_DIGEST_CHARS]
