@@ -15,13 +15,23 @@ import difflib
 import inspect
 import re
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["MeshConfig", "OverlapConfig", "OverlapConfigError", "parse_bytes", "parse_dtype"]
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "MeshConfig",
+    "OverlapConfig",
+    "OverlapConfigError",
+    "parse_bytes",
+    "parse_dtype",
+    "read_yaml",
+    "respell",
+]
 
 
 class OverlapConfigError(ValueError):
@@ -402,10 +412,6 @@ class OverlapConfig:
     def torch_reduce_dtype(self) -> torch.dtype | None:
         return parse_dtype(self.reduce_dtype, "reduce_dtype") or self.torch_param_dtype
 
-    @property
-    def passes_enabled(self) -> bool:
-        return self.compile and (self.manual_bucketing or self.overlap_grad_reduce)
-
     # ------------------------------------------------------------ documentation
     @classmethod
     def field_docs(cls) -> dict[str, str]:
@@ -424,20 +430,87 @@ class OverlapConfig:
         return "\n".join(lines)
 
 
+def respell(message: str, spell: Callable[[str], str]) -> str:
+    """A core error whose message starts with a field name (``bucket_plans[2]: ...``,
+    ``mesh.replicate=3 ...``), with that key written as the user's file spells it
+    (``spell("bucket_plans")`` -> ``"fsdp_config.fsdp_overlap_bucket_plans"``)."""
+    for name in sorted((f.name for f in dataclasses.fields(OverlapConfig)), key=len, reverse=True):
+        if re.match(rf"{re.escape(name)}(?=[:\[.\s=])", message):
+            return spell(name) + message[len(name) :]
+    return message
+
+
+#: A config file larger than this is refused before it is parsed: a plan for the largest
+#: model fits in a few KiB, so a file this size is the wrong file (a checkpoint, a log), and
+#: PyYAML would take minutes to parse it on every rank.
+MAX_CONFIG_BYTES = 2**20
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first: int):
+        self.key, self.line, self.first = key, line, first
+
+
+def _loader() -> type:
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the
+    last one silently); keys brought in by a ``<<`` merge may be overridden, as YAML means."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: PyYAML's own error follows
+                    pass
+            return super().construct_mapping(node, deep)
+
+    return StrictLoader
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML config file's mapping (an empty file is ``{}``); a missing file, invalid
-    YAML or anything but a mapping at the top is an ``OverlapConfigError``."""
+    """A YAML config file's mapping. A missing, empty (or comments-only), oversized or
+    non-UTF-8 file, invalid YAML, or anything but a mapping at the top is an
+    ``OverlapConfigError`` naming the file. Every reader of a config file (the runtime's
+    and ``fsdp-overlap check``) goes through here, so the same file gets the same verdict."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise OverlapConfigError(
+            f"{path}: {size / 2**20:.1f} MiB is too large for a config file (at most "
+            f"{MAX_CONFIG_BYTES // 2**20} MiB); is it the right file?"
+        )
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OverlapConfigError(
+            f"{path}: not a text file in UTF-8 (byte {exc.start} is {exc.object[exc.start]:#04x}); save it as UTF-8."
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_loader())
     except yaml.YAMLError as exc:
         raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
+    except _DuplicateKey as exc:
+        raise OverlapConfigError(
+            f"{path}: line {exc.line}: {exc.key!r} is set twice in one mapping (also on line {exc.first}); YAML "
+            "would keep the last one without a word. Keep one."
+        ) from None
     if data is None:
-        return {}
+        raise OverlapConfigError(
+            f"{path}: the file holds no keys (it is empty or only comments); is it the right file? "
+            "For every default, write {} in it."
+        )
     if not isinstance(data, dict):
         raise OverlapConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}.")
     return data

@@ -9,12 +9,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import accelerators, hf
-from .activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
-from .compile import _STATE_ATTR, OverlapState, compile_model, local_layout, model_fingerprint
+from .activation_checkpointing import apply_activation_checkpointing
 from .config import OverlapConfig, OverlapConfigError
 from .passes.plan_index import BucketIndex
-from .plan import resolve_plan
+from .preflight import preflight
 from .sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
+from .state import _STATE_ATTR, OverlapState, local_layout, model_fingerprint
 
 __all__ = ["parallelize", "unbucketed_parameters"]
 
@@ -66,8 +66,9 @@ def parallelize(
         overrides["mesh"] = mesh  # the config field (a dict / MeshConfig), not a DeviceMesh
         mesh = None
     config = OverlapConfig.coerce(config, **overrides)
-    plan = resolve_plan(model, config)  # pure: every rank raises the same error here
-    checkpointed, checkpoint_notes = checkpointed_modules(model, config)  # pure, like the plan
+    # pure: every rank raises the same error here, and fsdp-overlap check runs the same
+    checked = preflight(model, config)
+    plan, checkpointed = checked.plan, checked.checkpointed
     if mesh is None:
         device_type = accelerators.detect_device_type()
         mesh = build_mesh(config, device_type)
@@ -91,7 +92,7 @@ def parallelize(
         last_bucket=max((e for e in entries.values() if e is not None), default=None),
         param_entries=entries,
     )
-    state.adjustments.extend(checkpoint_notes)
+    state.adjustments.extend(checked.notes)
     hf.disable_own_checkpointing(model)
     if checkpointed:
         state.checkpointed = apply_activation_checkpointing(
@@ -103,6 +104,11 @@ def parallelize(
         state.local_layout = local_layout(model)
         if _separate_gather_group(config, device_type):
             state.gather_group = build_gather_group(mesh)
+        # imported only to compile (as inductor_passes is only to compile with inductor):
+        # `import fsdp_overlap_plugin`, the report, the adapters and compile: false never
+        # load the compile wiring
+        from .compile import compile_model
+
         compile_model(model, state)
     else:
         fully_shard_plan(model, mesh, plan, config, notes=state.adjustments)

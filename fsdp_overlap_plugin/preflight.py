@@ -1,0 +1,39 @@
+"""The checks every entry point runs on a model and its config before any process group
+exists: ``parallelize``, Accelerate's ``prepare`` and ``fsdp-overlap check`` call this one
+function, so a plan, checkpointing or mesh problem gets the same verdict from all three.
+Pure (module tree, shapes and config only), so every rank raises the same error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from .activation_checkpointing import checkpointed_modules
+from .config import OverlapConfig
+from .plan import resolve_plan
+
+__all__ = ["Preflight", "preflight"]
+
+
+@dataclass
+class Preflight:
+    """What the checks resolved."""
+
+    plan: list[list[str]]
+    """The bucket plan as explicit module FQNs (``resolve_plan``)."""
+    checkpointed: list[str] = field(default_factory=list)
+    """Modules whose forward is recomputed in backward (``checkpointed_modules``)."""
+    notes: list[str] = field(default_factory=list)
+    """What will be adjusted on the model (transformers' own checkpointing taken over)."""
+    mesh: tuple[int, int] | None = None
+    """``(replicate, shard)`` for the world size, when one was given."""
+
+
+def preflight(model: nn.Module, config: OverlapConfig, world: int | None = None) -> Preflight:
+    """Resolve the plan and the checkpointed modules of ``config`` against ``model``, and the
+    mesh for ``world`` ranks; raise ``OverlapConfigError`` naming the key at fault."""
+    plan = resolve_plan(model, config)
+    checkpointed, notes = checkpointed_modules(model, config)
+    mesh = config.mesh.sizes(world) if world is not None else None
+    return Preflight(plan, checkpointed, notes, mesh)
