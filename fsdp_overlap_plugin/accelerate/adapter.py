@@ -22,9 +22,9 @@ files do not depend on the rank or the world size.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +33,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import accelerators
-from ..activation_checkpointing import checkpointed_modules
-from ..compile import get_state
 from ..config import OverlapConfig, OverlapConfigError
 from ..initialize import materialize
 from ..parallelize import parallelize
-from ..plan import resolve_plan
+from ..preflight import preflight
 from ..sharding import build_mesh, is_sharded
-from .config import (
-    AccelerateSettings,
-    ConfigSource,
-    accelerate_settings,
-    build_config,
-    field_for,
-    find_config_file,
-    read_config_file,
-    rename_error,
-)
+from ..state import get_state
+from .config import ConfigSource, Resolved, load_config
 
-__all__ = ["Resolved", "config_source", "load_config", "prepare", "use_gloo_on_cpu_only_launch"]
+__all__ = ["Resolved", "config_source", "configure", "load_config", "prepare", "use_gloo_on_cpu_only_launch"]
 
 log = logging.getLogger("fsdp_overlap_plugin.accelerate")
 
@@ -85,63 +75,23 @@ def use_gloo_on_cpu_only_launch() -> bool:
     return True
 
 
-# ----------------------------------------------------------------- configuration
-@dataclasses.dataclass
-class Resolved:
-    """The configuration of one ``prepare`` call and where each part came from."""
-
-    config: OverlapConfig
-    source: ConfigSource
-    settings: AccelerateSettings
-    prefixed: bool = False
-    """True when the plugin keys were read as ``fsdp_overlap_*`` keys of an Accelerate YAML
-    (error messages then spell them that way)."""
-
-
-def _plain_values(config: OverlapConfig | dict) -> tuple[dict[str, Any], set[str]]:
-    """Values and the keys the user set, for a config given in code."""
-    if isinstance(config, OverlapConfig):
-        defaults = OverlapConfig().to_dict()
-        values = config.to_dict()
-        return values, {k for k, v in values.items() if v != defaults[k]}
-    values = {(field_for(str(k)) or k): v for k, v in config.items()}
-    return values, {k for k, v in values.items() if v is not None}
-
-
-def load_config(
-    accelerator: Any = None,
+def configure(
+    accelerator: Any,
+    model: nn.Module,
     config: OverlapConfig | dict | str | os.PathLike | None = None,
     *,
-    model: nn.Module | None = None,
+    environ: Mapping[str, str] | None = None,
     **overrides: Any,
 ) -> Resolved:
-    """The plugin's configuration for this worker (see ``fsdp_overlap_plugin.accelerate.config``
-    for where it is looked for), with Accelerate's shared keys applied. Pure: every rank
-    reads the same file and raises the same ``OverlapConfigError``.
-
-    ``config`` may be an ``OverlapConfig`` or a dict (used as they are), or a path to an
-    Accelerate YAML (plugin keys under ``fsdp_config``) or a plain plugin YAML."""
-    file = None
-    if isinstance(config, (OverlapConfig, dict)):
-        source = ConfigSource(None, "config= argument")
-        values, given = _plain_values(config)
-        prefixed = False
-    else:
-        source = find_config_file(config)
-        if source.path is not None:
-            file = read_config_file(source.path)
-            values = dict(file.plugin)
-            prefixed = file.accelerate_format
-        else:
-            values, prefixed = {}, False
-        given = {k for k, v in values.items() if v is not None}
-    values.update(overrides)
-    given |= set(overrides)
-    settings = accelerate_settings(accelerator, file)
-    config_obj = build_config(
-        values, given, settings, model=model, source=str(source.path) if source.path else "", prefixed=prefixed
-    )
-    return Resolved(config_obj, source, settings, prefixed)
+    """The pure first half of ``prepare``: this worker's configuration (``load_config``)
+    checked against ``model`` (plan, checkpointed modules) with the key spelled as the
+    user's file spells it. Every rank raises the same error here, before any collective."""
+    resolved = load_config(accelerator, config, model=model, environ=environ, **overrides)
+    try:
+        preflight(model, resolved.config)
+    except OverlapConfigError as exc:
+        raise resolved.rename(exc) from None
+    return resolved
 
 
 def config_source(model: nn.Module) -> ConfigSource | None:
@@ -178,16 +128,8 @@ def prepare(
         raise ValueError("fsdp_overlap_plugin.accelerate.prepare: this model is already prepared.")
     _check_accelerator(accelerator)
 
-    resolved = load_config(accelerator, config, model=model, **overrides)
+    resolved = configure(accelerator, model, config, **overrides)
     cfg, source = resolved.config, resolved.source
-    prefixed = resolved.prefixed
-    where = str(source.path) if source.path else ""
-    try:
-        # Pure checks: a wrong module name fails here, on every rank, before any collective.
-        resolve_plan(model, cfg)
-        checkpointed_modules(model, cfg)
-    except OverlapConfigError as exc:
-        raise rename_error(exc, where, prefixed) from None
 
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     for opt in optimizers:
@@ -210,7 +152,7 @@ def prepare(
     try:
         parallelize(model, cfg, mesh=build_mesh(cfg, device.type))
     except OverlapConfigError as exc:
-        raise rename_error(exc, where, prefixed) from None
+        raise resolved.rename(exc) from None
     if on_meta:
         materialize(model, device, on_uninitialized=cfg.on_uninitialized)
     _switch_optimizer_params(optimizers, old_names, model)

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, suggest
+from ..config import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, respell, suggest
 
 __all__ = [
     "ENV_VAR",
@@ -52,7 +52,9 @@ __all__ = [
     "launch_args",
     "launcher_config_file",
     "plugin_keys",
+    "load_config",
     "read_config_file",
+    "Resolved",
 ]
 
 PREFIX = "fsdp_overlap_"
@@ -220,6 +222,8 @@ class FileSettings:
     accelerate: dict[str, Any]
     source: str
     accelerate_format: bool
+    world: int | None = None
+    """``num_processes``: the ranks ``accelerate launch`` starts (unless its command line says otherwise)."""
 
 
 def _known_accelerate_fsdp_keys() -> set[str]:
@@ -229,8 +233,24 @@ def _known_accelerate_fsdp_keys() -> set[str]:
     return keys | {"fsdp_ignored_modules"}  # read by the launcher through getattr, not an option
 
 
-def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
-    """Separate an Accelerate config mapping into the plugin's keys and Accelerate's."""
+#: Top-level keys that make a YAML an Accelerate config (else it is a plain plugin YAML).
+ACCELERATE_KEYS = ("distributed_type", "fsdp_config", "compute_environment")
+
+
+def is_accelerate_yaml(data: dict) -> bool:
+    return bool(set(data) & set(ACCELERATE_KEYS))
+
+
+def check_with_accelerate(data: dict, source: str) -> None:
+    """Accelerate's own verdict on the file, before any worker starts: what
+    ``accelerate launch --config_file`` does with it (``load_config_from_file``: the config
+    class for its ``compute_environment``, ``process_config``, unknown top-level keys, the
+    enum values), run on a copy, with its refusals turned into errors that name the key."""
+    import copy
+
+    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
+    from accelerate.utils import ComputeEnvironment
+
     names = [f.name for f in dataclasses.fields(OverlapConfig)]
     misplaced = [k for k in data if str(k).startswith(PREFIX) or k in names]
     if misplaced:
@@ -238,6 +258,37 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
             f"{source}: {misplaced[0]!r} is a top-level key; fsdp-overlap keys go under fsdp_config as "
             f"fsdp_overlap_<name> (accelerate launch rejects unknown top-level keys)."
         )
+    environment = data.get("compute_environment", ComputeEnvironment.LOCAL_MACHINE)
+    cls = ClusterConfig if environment == ComputeEnvironment.LOCAL_MACHINE else SageMakerConfig
+    if "distributed_type" not in data:
+        raise OverlapConfigError(f"{source}: distributed_type: missing; accelerate launch requires it (use FSDP).")
+    processed = cls.process_config(copy.deepcopy(data))
+    known = sorted(cls.__dataclass_fields__)
+    unknown = sorted(set(processed) - set(known), key=str)
+    if unknown:
+        key = str(unknown[0])
+        raise OverlapConfigError(
+            f"{source}: unknown top-level key {key!r} (accelerate launch rejects it).{suggest(key, known)} "
+            "Plugin keys go under fsdp_config as fsdp_overlap_<key>."
+        )
+    mixed = data.get("mixed_precision")
+    if mixed is not None and not isinstance(mixed, str):
+        hint = " (an unquoted no is YAML for false: write 'no' in quotes)" if mixed is False else ""
+        raise OverlapConfigError(
+            f"{source}: mixed_precision: {mixed!r} is not a string{hint}; accelerate launch crashes on it "
+            "('bool' object has no attribute 'lower'). Valid: 'no', bf16, fp16."
+        )
+    try:
+        cls(**processed)  # its __post_init__ reads the enums
+    except (ValueError, TypeError) as exc:
+        key = next((k for k in ("distributed_type", "compute_environment") if repr(str(data.get(k))) in str(exc)), "")
+        raise OverlapConfigError(f"{source}: {key + ': ' if key else ''}accelerate launch rejects it: {exc}") from None
+
+
+def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
+    """Separate an Accelerate config mapping into the plugin's keys and Accelerate's, after
+    Accelerate's own checks (``check_with_accelerate``)."""
+    check_with_accelerate(data, source)
     fsdp = data.get("fsdp_config") or {}
     if not isinstance(fsdp, dict):
         raise OverlapConfigError(f"{source}: fsdp_config: expected a mapping, got {type(fsdp).__name__}.")
@@ -255,6 +306,8 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
                     f"{source}: fsdp_config.{raw_key}: unknown fsdp-overlap key.{suggest(key, plugin_keys())} "
                     f"Valid keys: {', '.join(plugin_keys())}."
                 )
+            if name in plugin:
+                raise OverlapConfigError(f"{source}: fsdp_config.{raw_key}: {key_for(name)} is set twice; keep one.")
             plugin[name] = value
         elif key in known:
             accelerate[key] = value
@@ -273,16 +326,22 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
         accelerate["dynamo_backend"] = data["dynamo_backend"]
     if "distributed_type" in data:
         accelerate["distributed_type"] = data["distributed_type"]
-    return FileSettings(plugin, accelerate, source, accelerate_format=True)
+    processes = data.get("num_processes")
+    world = processes if isinstance(processes, int) and not isinstance(processes, bool) and processes > 0 else None
+    return FileSettings(plugin, accelerate, source, accelerate_format=True, world=world)
+
+
+def file_settings(data: dict, source: str) -> FileSettings:
+    """What a config mapping read from ``source`` says: an Accelerate YAML (plugin keys
+    under ``fsdp_config``) or a plain plugin YAML."""
+    if is_accelerate_yaml(data):
+        return split_accelerate_yaml(data, source)
+    return FileSettings(dict(data), {}, source, accelerate_format=False)
 
 
 def read_config_file(path: str | os.PathLike) -> FileSettings:
     """Read an Accelerate YAML (plugin keys under ``fsdp_config``) or a plain plugin YAML."""
-    path = Path(path)
-    data = read_yaml(path)
-    if {"distributed_type", "fsdp_config", "compute_environment"} & set(data):
-        return split_accelerate_yaml(data, str(path))
-    return FileSettings(dict(data), {}, str(path), accelerate_format=False)
+    return file_settings(read_yaml(path), str(path))
 
 
 # --------------------------------------------------- what Accelerate applies in this worker
@@ -310,20 +369,24 @@ def _as_bool(value: Any, key: str) -> bool:
     if text in ("false", "0", "no", "n", "off"):
         return False
     # FSDP1 spellings of fsdp_reshard_after_forward
-    if key == "fsdp_reshard_after_forward" and text in ("full_shard", "1"):
+    if key == "fsdp_reshard_after_forward" and text == "full_shard":
         return True
     if key == "fsdp_reshard_after_forward" and text in ("shard_grad_op", "no_shard", "no_reshard"):
         return False
     raise OverlapConfigError(f"{key}: expected true or false, got {value!r}.")
 
 
-def accelerate_settings(accelerator: Any = None, file: FileSettings | None = None) -> AccelerateSettings:
+def accelerate_settings(
+    accelerator: Any = None, file: FileSettings | None = None, *, environ: Mapping[str, str] | None = None
+) -> AccelerateSettings:
     """Accelerate's view of the keys the plugin shares with it, most authoritative first:
     the live ``Accelerator`` (its mixed precision, its FSDP plugin where it made one), then
     the ``FSDP_*`` / ``ACCELERATE_*`` variables ``accelerate launch`` exported to this
-    worker (they include command-line overrides), then the YAML file."""
+    worker (they include command-line overrides; ``environ``, default ``os.environ``), then
+    the YAML file. ``fsdp-overlap check`` passes ``environ={}``: what the file says is what
+    the launcher exports."""
     s = AccelerateSettings()
-    env = os.environ
+    env = os.environ if environ is None else environ
     fsdp_env = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     state = getattr(accelerator, "state", None) if accelerator is not None else None
     fsdp_plugin = getattr(state, "fsdp_plugin", None) if state is not None and hasattr(state, "fsdp_plugin") else None
@@ -390,21 +453,11 @@ def _key(name: str, prefixed: bool) -> str:
     return f"fsdp_config.{key_for(name)}" if prefixed else name
 
 
-def _rename_keys(message: str, prefixed: bool) -> str:
-    """Core messages start with the field name ("bucket_plans[2]: ..."); a YAML user
-    wrote ``fsdp_overlap_bucket_plans``, so say that."""
-    if not prefixed:
-        return message
-    names = sorted((f.name for f in dataclasses.fields(OverlapConfig)), key=len, reverse=True)
-    for name in names:
-        if re.match(rf"{re.escape(name)}(?=[:\[.\s])", message):
-            return f"fsdp_config.{key_for(name)}{message[len(name) :]}"
-    return message
-
-
 def rename_error(exc: OverlapConfigError, source: str, prefixed: bool) -> OverlapConfigError:
-    """The same error, with the key spelled as the user wrote it and the file named."""
-    message = _rename_keys(str(exc), prefixed)
+    """The same error, with the key spelled as the user wrote it (core messages start with
+    the field name, ``bucket_plans[2]: ...``; the YAML says ``fsdp_overlap_bucket_plans``)
+    and the file named."""
+    message = respell(str(exc), lambda name: _key(name, prefixed))
     if source and not message.startswith(source):
         message = f"{source}: {message}"
     return OverlapConfigError(message)
@@ -418,11 +471,13 @@ def build_config(
     model: Any = None,
     source: str = "",
     prefixed: bool = True,
+    model_later: bool = False,
 ) -> OverlapConfig:
     """The ``OverlapConfig`` for this job: ``values`` (plugin keys, unprefixed), with
     Accelerate's shared keys applied. ``given`` are the keys the user actually set (only
     those can contradict Accelerate). ``model`` is needed only to turn
-    ``fsdp_activation_checkpointing: true`` into the model's repeated blocks."""
+    ``fsdp_activation_checkpointing: true`` into the model's repeated blocks;
+    ``model_later`` (``fsdp-overlap check`` without a model) leaves that step out."""
     values = dict(values)
 
     def conflict(name: str, ours: Any, theirs: str, fix: str) -> OverlapConfigError:
@@ -504,7 +559,7 @@ def build_config(
                 f"fsdp_activation_checkpointing is false ({where})",
                 "Set fsdp_activation_checkpointing: true to checkpoint these modules.",
             )
-        if settings.activation_checkpointing and not ours_ac:
+        if settings.activation_checkpointing and not ours_ac and not (model is None and model_later):
             if model is None:
                 raise OverlapConfigError(
                     "fsdp_activation_checkpointing: true needs the model to find its repeated blocks."
@@ -524,3 +579,73 @@ def build_config(
         return OverlapConfig.from_dict(values, source=where)
     except OverlapConfigError as exc:
         raise rename_error(exc, source, prefixed) from None
+
+
+# ---------------------------------------------------------- one job's configuration
+@dataclass
+class Resolved:
+    """The configuration of one ``prepare`` call and where each part came from."""
+
+    config: OverlapConfig
+    source: ConfigSource
+    settings: AccelerateSettings
+    prefixed: bool = False
+    """True when the plugin keys were read as ``fsdp_overlap_*`` keys of an Accelerate YAML
+    (error messages then spell them that way)."""
+    world: int | None = None
+    """The file's ``num_processes``, when it has one."""
+
+    def rename(self, exc: OverlapConfigError) -> OverlapConfigError:
+        """A core error (plan, mesh, checkpointing) as this file spells the key."""
+        return rename_error(exc, str(self.source.path) if self.source.path else "", self.prefixed)
+
+
+def _plain_values(config: OverlapConfig | dict) -> tuple[dict[str, Any], set[str]]:
+    """Values and the keys the user set, for a config given in code."""
+    if isinstance(config, OverlapConfig):
+        defaults = OverlapConfig().to_dict()
+        values = config.to_dict()
+        return values, {k for k, v in values.items() if v != defaults[k]}
+    values = {(field_for(str(k)) or k): v for k, v in config.items()}
+    return values, {k for k, v in values.items() if v is not None}
+
+
+def load_config(
+    accelerator: Any = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    *,
+    model: Any = None,
+    environ: Mapping[str, str] | None = None,
+    model_later: bool = False,
+    **overrides: Any,
+) -> Resolved:
+    """The plugin's configuration for this worker (see this module's doc for where it is
+    looked for), with Accelerate's shared keys applied. Pure: every rank reads the same
+    file and raises the same ``OverlapConfigError``. ``prepare`` calls it in each worker;
+    ``fsdp-overlap check`` calls it on the file it is given, with ``environ={}`` (the
+    launcher exports what the file says) and ``model_later`` when no model was given.
+
+    ``config`` may be an ``OverlapConfig`` or a dict (used as they are), or a path to an
+    Accelerate YAML (plugin keys under ``fsdp_config``) or a plain plugin YAML."""
+    file = None
+    if isinstance(config, (OverlapConfig, dict)):
+        source = ConfigSource(None, "config= argument")
+        values, given = _plain_values(config)
+        prefixed = False
+    else:
+        source = find_config_file(config)
+        if source.path is not None:
+            file = read_config_file(source.path)
+            values = dict(file.plugin)
+            prefixed = file.accelerate_format
+        else:
+            values, prefixed = {}, False
+        given = {k for k, v in values.items() if v is not None}
+    values.update(overrides)
+    given |= set(overrides)
+    settings = accelerate_settings(accelerator, file, environ=environ)
+    where = str(source.path) if source.path else ""
+    config_obj = build_config(
+        values, given, settings, model=model, source=where, prefixed=prefixed, model_later=model_later
+    )
+    return Resolved(config_obj, source, settings, prefixed, world=file.world if file is not None else None)
