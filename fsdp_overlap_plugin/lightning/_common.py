@@ -19,11 +19,11 @@ import torch
 import torch.nn as nn
 
 from .. import accelerators
-from ..compile import get_state
 from ..config import OverlapConfig, OverlapConfigError, suggest
 from ..initialize import materialize
 from ..parallelize import parallelize
 from ..sharding import is_sharded
+from ..state import get_state
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -83,7 +83,11 @@ def build_config(config: OverlapConfig | dict | str | None, overrides: dict[str,
             f"fsdp_overlap strategy: unknown argument {key!r}.{suggest(key, CONFIG_FIELDS)} "
             f"Config keys: {', '.join(CONFIG_FIELDS)}."
         )
-    return OverlapConfig.coerce(config, **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        base = OverlapConfig.coerce(config)
+    except OverlapConfigError as exc:
+        raise OverlapConfigError(f"config: {exc}") from None  # the strategy's `config` argument
+    return OverlapConfig.coerce(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def config_for_precision(config: OverlapConfig, precision: str) -> OverlapConfig:

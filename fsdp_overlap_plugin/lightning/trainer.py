@@ -32,10 +32,10 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from .. import accelerators
-from ..compile import get_state
 from ..config import OverlapConfig
 from ..report import format_report, schedule_report
 from ..sharding import build_mesh
+from ..state import get_state
 from ._common import (
     CONFIG_FIELDS,
     StrategyBase,
