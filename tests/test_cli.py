@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,7 +223,8 @@ def test_check_broken_copy_of_shipped_config_exits_2(capsys, tmp_path, path):
     section[prefix + "bucket_plan"] = "auto"  # typo of bucket_plans
     bad_key.write_text(yaml.safe_dump(data))
     code, _, err = run(capsys, "check", str(bad_key), "--model", SMALL)
-    assert code == 2 and f"'{prefix}bucket_plans'" in err and "bucket_plan'" in err, err
+    # the key as the file spells it, and the nearest valid one
+    assert code == 2 and f"'{prefix}bucket_plans'" in err and re.search(rf"{prefix}bucket_plan['.:]", err), err
 
     data = yaml.safe_load(path.read_text())
     section, prefix = _plugin_section(path, data)
@@ -333,7 +335,9 @@ def test_check_lightning_yaml(capsys):
     assert out["memory"]["world"] == 2 and out["memory"]["sharded_storage_bytes_per_rank"] == 4 * s["total"] // 2
 
 
-def test_check_lightning_yaml_with_config_path(capsys):
+def test_check_lightning_yaml_with_config_path(capsys, monkeypatch):
+    # init_args.config is relative to the YAML, as LightningCLI's parser resolves it
+    monkeypatch.chdir(ROOT)
     code, out = run_json(capsys, "check", str(FIXTURES / "lightning_config_path.yaml"), "--model", SMALL)
     assert code == 0
     values = out["config"]["values"]
@@ -359,7 +363,7 @@ def test_check_lightning_yaml_with_config_path(capsys):
         (
             "trainer:\n  strategy:\n    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n"
             "    init_args:\n      config: missing.yaml\n",
-            "trainer.strategy.init_args.config: file 'missing.yaml' does not exist",
+            "missing.yaml' does not exist",
         ),
         (
             "trainer:\n  strategy:\n    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n"
@@ -405,12 +409,19 @@ def test_check_accelerate_yaml(capsys):
 @pytest.mark.parametrize(
     "fsdp, top, culprit",
     [
-        ({"fsdp_overlap_bucket_plan": "auto"}, {}, "'fsdp_config.fsdp_overlap_bucket_plan'. Did you mean"),
+        ({"fsdp_overlap_bucket_plan": "auto"}, {}, "fsdp_config.fsdp_overlap_bucket_plan: unknown fsdp-overlap key."),
         ({"fsdp_overlap_bucket_plans": ["blocks.0", "haed"]}, {}, "fsdp_config.fsdp_overlap_bucket_plans[1]"),
         ({"fsdp_overlap_manual_bucketing": "yes please"}, {}, "fsdp_config.fsdp_overlap_manual_bucketing: expected"),
         ({"fsdp_overlap_bucket_bytes": "64 MeB"}, {}, "fsdp_config.fsdp_overlap_bucket_bytes: cannot read"),
-        ({"fsdp_overlap_grad_reduce": True, "fsdp_overlap_overlap_grad_reduce": True}, {}, "set twice"),
-        ({}, {"mixed_precision": "fp8"}, "mixed_precision: 'fp8' is not supported"),
+        (
+            {"fsdp_overlap_overlap_grad_reduce": True},
+            {},
+            "fsdp_config.fsdp_overlap_overlap_grad_reduce: unknown fsdp-overlap key. Did you mean 'fsdp_overlap_grad_reduce'",
+        ),
+        ({"fsdp_overlap_grad_reduce": True, "overlap_grad_reduce": True}, {}, "fsdp_overlap_grad_reduce is set twice"),
+        ({"fsdp_backwad_prefetch": "BACKWARD_PRE"}, {}, "fsdp_config.fsdp_backwad_prefetch: unknown key"),
+        ({}, {"mixed_precision": "fp8"}, "mixed_precision 'fp8' (mixed_precision in"),
+        ({}, {"mixed_precision": False}, "an unquoted no is YAML for false"),
         ({}, {"num_proceses": 2}, "unknown top-level key 'num_proceses'"),
         ({"fsdp_overlap_mesh": {"replicate": 3}}, {"num_processes": 8}, "does not divide the world size 8"),
     ],
@@ -423,17 +434,15 @@ def test_check_bad_accelerate_yaml_names_the_key(capsys, tmp_path, fsdp, top, cu
     assert code == 2 and culprit in err, err
 
 
-def test_check_accelerate_alias_and_unknown_fsdp_key(capsys, tmp_path):
+def test_check_accelerate_alias_key(capsys, tmp_path):
     cfg = tmp_path / "overlap.yaml"
     cfg.write_text(
         "distributed_type: FSDP\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_version: 2\n"
-        "  fsdp_overlap_grad_reduce: false\n  fsdp_backwad_prefetch: BACKWARD_PRE\n"
+        "  fsdp_overlap_grad_reduce: false\n"
     )
     code, out = run_json(capsys, "check", str(cfg), "--model", SMALL)
     assert code == 0 and out["config"]["values"]["overlap_grad_reduce"] is False
     assert out["config"]["values"]["param_dtype"] is None
-    (warning,) = [w for w in out["warnings"] if w["kind"] == "config"]
-    assert "fsdp_backwad_prefetch" in warning["message"] and "'fsdp_backward_prefetch'" in warning["message"]
 
 
 def test_check_without_model_checks_keys_only(capsys):
@@ -530,26 +539,50 @@ def test_docs_tuning_examples_are_current(capsys, monkeypatch):
     assert checked >= 2
 
 
-def test_framework_precision_disagreeing_with_param_dtype_warns(capsys, tmp_path):
+def test_framework_precision_disagreeing_with_param_dtype_is_an_error(capsys, tmp_path):
+    """As in the run: the strategy and the Accelerate adapter refuse a param_dtype that
+    contradicts the framework's precision (0.1's check only warned)."""
     lightning = tmp_path / "l.yaml"
     lightning.write_text(
         "trainer:\n  precision: bf16-mixed\n  strategy:\n"
         "    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n    init_args:\n      param_dtype: fp16\n"
     )
     code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
-    (warning,) = [w for w in out["warnings"] if w["kind"] == "config"]
-    assert code == 0 and out["config"]["values"]["param_dtype"] == "fp16"  # the explicit key wins
     assert (
-        "trainer.strategy.init_args.param_dtype=fp16 disagrees with trainer.precision=bf16-mixed" in warning["message"]
+        code == 2
+        and "trainer.strategy.init_args.param_dtype: 'fp16' conflicts with precision='bf16-mixed'" in (out["error"])
     )
     accelerate = tmp_path / "a.yaml"
     accelerate.write_text(
         "distributed_type: FSDP\nmixed_precision: fp16\nfsdp_config:\n  fsdp_overlap_param_dtype: bf16\n"
     )
     code, out = run_json(capsys, "check", str(accelerate), "--model", SMALL)
-    (warning,) = [w for w in out["warnings"] if w["kind"] == "config"]
-    assert "fsdp_config.fsdp_overlap_param_dtype=bf16 disagrees with mixed_precision: fp16" in warning["message"]
-    unquoted = tmp_path / "n.yaml"
-    unquoted.write_text("distributed_type: FSDP\nmixed_precision: no\n")  # YAML 1.1 reads `no` as false
-    code, out = run_json(capsys, "check", str(unquoted), "--model", SMALL)
-    assert code == 0 and out["config"]["values"]["param_dtype"] is None
+    assert (
+        code == 2
+        and "fsdp_config.fsdp_overlap_param_dtype is 'bf16' but Accelerate's mixed_precision is 'fp16'"
+        in (out["error"])
+    )
+    lightning.write_text("trainer:\n  precision: 16-mixed\n  strategy: fsdp_overlap\n")  # Lightning refuses it too
+    code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
+    assert code == 2 and "trainer.precision='16-mixed' is not supported" in out["error"]
+    lightning.write_text("trainer:\n  precision: bf16-mixed\n  strategy: fsdp_overlap\n")
+    code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
+    # what the strategy runs with: gathers in bf16, reduce-scatters in fp32 (0.1's check said bf16)
+    assert code == 0 and (out["config"]["values"]["param_dtype"], out["config"]["values"]["reduce_dtype"]) == (
+        "bf16",
+        "fp32",
+    )
+
+
+def test_lightning_yaml_for_hardware_this_machine_lacks(capsys, tmp_path):
+    """A GPU config checked on a CPU-only machine: the keys and the strategy are checked,
+    the precision is Lightning's normalised flag, and a note says what could not run."""
+    cfg = tmp_path / "gpu.yaml"
+    cfg.write_text("trainer:\n  accelerator: cuda\n  devices: 8\n  precision: bf16\n  strategy: fsdp_overlap\n")
+    code, out = run_json(capsys, "check", str(cfg), "--model", SMALL)
+    assert code == 0 and out["memory"]["world"] == 8
+    assert (out["config"]["values"]["param_dtype"], out["config"]["values"]["reduce_dtype"]) == ("bf16", "fp32")
+    assert any("accelerator 'cuda' cannot be built here" in note for note in out["config"]["notes"])
+    cfg.write_text("trainer:\n  accelerator: cuda\n  precision: 16-mixed\n  strategy: fsdp_overlap\n")
+    code, out = run_json(capsys, "check", str(cfg), "--model", SMALL)  # refused on the GPU: by the strategy
+    assert code == 2 and "trainer.precision='16-mixed' is not supported by the fsdp_overlap strategy" in out["error"]

@@ -1,0 +1,259 @@
+"""``check``'s and ``inspect``'s analysis: the plan a config resolves to on a model (through
+``preflight``, the checks ``parallelize`` runs), the bytes each bucket moves, the memory a
+prefetch holds, and one function per kind of warning. Pure: the model is on meta."""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import OverlapConfig, OverlapConfigError
+from ..parallelize import unbucketed_parameters
+from ..plan import PlanWarning, auto_plan_info, gather_bytes
+from ..preflight import preflight
+from .text import format_bytes, format_count
+
+__all__ = ["LARGE_BUCKET_FACTOR", "SMALL_BUCKET_BYTES", "analyze", "bucket_rows", "module_tree"]
+
+#: Below this many bytes a bucket's fixed collective latency costs more than moving its
+#: bytes (alpha * beta with alpha ~ 20 us, beta ~ 50 GB/s; see docs/tuning.md).
+SMALL_BUCKET_BYTES = 2**20
+#: A bucket this many times the median bucket sets the prefetch memory peak on its own.
+LARGE_BUCKET_FACTOR = 4
+#: Unbucketed parameters named in the warning before "...".
+_LISTED_PARAMS = 6
+
+
+def _param_rows(module: nn.Module, config: OverlapConfig) -> dict[str, int]:
+    """Counts and bytes of ``module``'s subtree: storage in each parameter's own dtype
+    (distinct parameters), all-gather in param_dtype and reduce-scatter in reduce_dtype
+    (per registration: a tied parameter is gathered once per module using it)."""
+    distinct = {id(p): p for p in module.parameters()}.values()
+    return {
+        "params": sum(p.numel() for p in distinct),
+        "storage_bytes": sum(p.numel() * p.element_size() for p in distinct),
+        "gather_bytes": gather_bytes(module, config.torch_param_dtype),
+        "reduce_bytes": gather_bytes(module, config.torch_reduce_dtype),
+    }
+
+
+def bucket_rows(model: nn.Module, config: OverlapConfig, plan: list[list[str]]) -> list[dict[str, Any]]:
+    """One row per bucket: its modules, parameter count and bytes (a parameter two of the
+    bucket's modules share counts once in storage, per module in the collectives)."""
+    rows = []
+    for i, bucket in enumerate(plan):
+        totals = {"params": 0, "storage_bytes": 0, "gather_bytes": 0, "reduce_bytes": 0}
+        seen: set[int] = set()
+        for fqn in bucket:
+            sub = model.get_submodule(fqn)
+            for p in sub.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    totals["params"] += p.numel()
+                    totals["storage_bytes"] += p.numel() * p.element_size()
+            totals["gather_bytes"] += gather_bytes(sub, config.torch_param_dtype)
+            totals["reduce_bytes"] += gather_bytes(sub, config.torch_reduce_dtype)
+        rows.append({"index": i, "modules": list(bucket), **totals})
+    return rows
+
+
+# ------------------------------------------------------------------------ the warnings
+def _warning(kind: str, message: str, buckets: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"kind": kind, "buckets": buckets or [], "message": message, **extra}
+
+
+def warn_no_params(caught: list[warnings.WarningMessage], rename: Callable[[str], str]) -> list[dict]:
+    """Plan entries that own no parameters (``resolve_plan`` warns; the run would too)."""
+    return [_warning("no_params", rename(str(w.message))) for w in caught if issubclass(w.category, PlanWarning)]
+
+
+def warn_ignored(config: OverlapConfig, key: Callable[[str], str]) -> list[dict]:
+    """``bucket_bytes`` set where it is not read."""
+    if config.bucket_plans == "auto" or config.bucket_bytes is None:
+        return []
+    return [
+        _warning("ignored", f"{key('bucket_bytes')} is set but only read when bucket_plans is auto; it is ignored.")
+    ]
+
+
+def warn_large(rows: list[dict[str, Any]]) -> list[dict]:
+    """A bucket far above the median: it alone sets the prefetch memory peak."""
+    median = statistics.median(r["gather_bytes"] for r in rows) if rows else 0
+    return [
+        _warning(
+            "large",
+            f"bucket {r['index']} {r['modules']} gathers {format_bytes(r['gather_bytes'])}, "
+            f"{r['gather_bytes'] / median:.1f}x the median bucket ({format_bytes(median)}): it alone sets "
+            "the prefetch memory peak and its all-gather is the hardest to hide; split it.",
+            [r["index"]],
+        )
+        for r in rows
+        if median and r["gather_bytes"] > LARGE_BUCKET_FACTOR * median
+    ]
+
+
+def warn_small(rows: list[dict[str, Any]], small_bytes: int) -> list[dict]:
+    """Buckets so small that a collective's fixed latency outweighs its transfer."""
+    small = [r for r in rows if r["gather_bytes"] < small_bytes]
+    if not small:
+        return []
+    listed = ", ".join(f"{r['index']} ({format_bytes(r['gather_bytes'])})" for r in small)
+    return [
+        _warning(
+            "small",
+            f"{len(small)} of {len(rows)} buckets gather less than {format_bytes(small_bytes)}, where a "
+            f"collective's fixed latency outweighs its transfer time: {listed}. Merge neighbours "
+            "(a list entry, or bucket_bytes for auto) unless the model is a toy.",
+            [r["index"] for r in small],
+        )
+    ]
+
+
+def warn_unbucketed(model: nn.Module, unbucketed: list[str]) -> list[dict]:
+    """Parameters no bucket covers: gathered one by one, never prefetched."""
+    if not unbucketed:
+        return []
+    params = dict(model.named_parameters(remove_duplicate=False))
+    n = sum(params[name].numel() for name in unbucketed if name in params)
+    shown = ", ".join(unbucketed[:_LISTED_PARAMS]) + (", ..." if len(unbucketed) > _LISTED_PARAMS else "")
+    return [
+        _warning(
+            "unbucketed",
+            f"{len(unbucketed)} parameters ({format_count(n)} elements) belong to no bucket and are gathered "
+            f"one by one, unprefetched: {shown}.",
+            params=unbucketed,
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------ memory
+def _memory(model: nn.Module, sizes: list[int], mesh: tuple[int, int] | None, world: int | None) -> dict[str, Any]:
+    pairs = [(sizes[i] + sizes[i + 1], i) for i in range(len(sizes) - 1)]
+    # the first pair wins a tie, so the answer does not move when identical blocks follow
+    peak, first = max(pairs, key=lambda t: (t[0], -t[1])) if pairs else ((sizes[0], 0) if sizes else (0, 0))
+    total_storage = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    replicate, shard = mesh if mesh is not None else (None, None)
+    return {
+        "prefetch_peak_bytes": peak,
+        "prefetch_peak_buckets": [first, first + 1] if pairs else [first],
+        "all_gathered_bytes": sum(sizes),
+        "sharded_storage_bytes_per_rank": -(-total_storage // shard) if shard else None,
+        "shard_size": shard,
+        "replicate": replicate,
+        "world": world,
+    }
+
+
+def analyze(
+    model: nn.Module,
+    config: OverlapConfig,
+    *,
+    world: int | None = None,
+    small_bytes: int = SMALL_BUCKET_BYTES,
+    key: Callable[[str], str] = str,
+    rename: Callable[[OverlapConfigError], OverlapConfigError] = lambda exc: exc,
+) -> dict[str, Any]:
+    """Resolve the plan of ``config`` against ``model`` and say what it will move.
+
+    ``key`` spells a config key as the user's file does; ``rename`` rewrites a core error
+    that way. Returns a JSON-serialisable dict: ``plan`` (source, buckets with modules,
+    parameter count, storage / all-gather / reduce-scatter bytes), ``auto`` (the auto plan
+    and its target), ``activation_checkpointing``, ``memory``, ``unbucketed`` parameters
+    and ``warnings`` (each with a ``kind``: unbucketed, large, small, no_params, ignored).
+    Raises ``OverlapConfigError`` where ``parallelize`` would (plan, checkpointing, mesh).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlanWarning)
+        try:
+            checked = preflight(model, config, world)  # what parallelize runs first
+        except OverlapConfigError as exc:
+            raise rename(exc) from None
+    rows = bucket_rows(model, config, checked.plan)
+    unbucketed = unbucketed_parameters(model, checked.plan)
+    found = (
+        warn_no_params(caught, lambda m: str(rename(OverlapConfigError(m))))
+        + warn_ignored(config, key)
+        + warn_large(rows)
+        + warn_small(rows, small_bytes)
+        + warn_unbucketed(model, unbucketed)
+    )
+    auto = auto_plan_info(model, config)
+    return {
+        "plan": {"source": "auto" if config.bucket_plans == "auto" else "config", "buckets": rows},
+        "auto": {
+            "buckets": auto.buckets,
+            "bucket_bytes": auto.bucket_bytes,
+            "target_bytes": auto.target_bytes,
+            "target_source": auto.target_source,
+            "container": auto.container,
+            "blocks": auto.blocks,
+        },
+        "activation_checkpointing": checked.checkpointed,
+        "unbucketed": unbucketed,
+        "memory": _memory(model, [r["gather_bytes"] for r in rows], checked.mesh, world),
+        "warnings": found,
+    }
+
+
+# --------------------------------------------------------------------------- the tree
+def _bytes(params: list[torch.Tensor], dtype: torch.dtype | None) -> int:
+    return sum(p.numel() * torch.empty((), dtype=dtype or p.dtype, device="meta").element_size() for p in params)
+
+
+def module_tree(model: nn.Module, config: OverlapConfig, plan: list[list[str]], depth: int = 0) -> list[dict[str, Any]]:
+    """Rows of the module tree down to the bucket level (and ``depth`` levels inside each
+    bucket): modules containing buckets are expanded, bucketed modules are leaves.
+
+    Each row: ``fqn``, ``type``, ``depth``, ``role`` ("container": holds buckets; "bucket":
+    a plan entry; "inside": below a plan entry; "unbucketed"; "own": parameters held
+    directly by a container, which no FQN can name), ``bucket`` and the byte counts.
+    """
+    owner = {fqn: i for i, bucket in enumerate(plan) for fqn in bucket}
+    ancestors = {".".join(f.split(".")[:k]) for f in owner for k in range(1, f.count(".") + 1)} | {""}
+    rows: list[dict[str, Any]] = []
+
+    def visit(prefix: str, module: nn.Module, level: int, inherited: int | None, below: int) -> None:
+        own = [p for p in module._parameters.values() if p is not None]
+        if own and prefix in ancestors:
+            names = ", ".join(n for n, p in module._parameters.items() if p is not None)
+            rows.append(
+                {
+                    "fqn": f"{prefix}.({names})" if prefix else f"({names})",
+                    "type": "own parameters",
+                    "depth": level,
+                    "role": "own",
+                    "bucket": None,
+                    "params": sum(p.numel() for p in own),
+                    "storage_bytes": _bytes(own, None),
+                    "gather_bytes": _bytes(own, config.torch_param_dtype),
+                    "reduce_bytes": _bytes(own, config.torch_reduce_dtype),
+                }
+            )
+        for name, child in module.named_children():
+            if next(child.parameters(), None) is None:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            if fqn in ancestors:
+                role, bucket = "container", None
+            elif fqn in owner:
+                role, bucket = "bucket", owner[fqn]
+            elif inherited is not None:
+                role, bucket = "inside", inherited
+            else:
+                role, bucket = "unbucketed", None
+            rows.append(
+                {"fqn": fqn, "type": type(child).__name__, "depth": level, "role": role, "bucket": bucket}
+                | _param_rows(child, config)
+            )
+            if role == "container":
+                visit(fqn, child, level + 1, None, 0)
+            elif role in ("bucket", "inside") and below < depth:
+                visit(fqn, child, level + 1, bucket, below + 1)
+
+    visit("", model, 0, None, 0)
+    return rows

@@ -1,0 +1,170 @@
+"""``inspect`` and ``check``: a model's buckets and bytes, and a config checked against it.
+
+``check`` reads the config with the runtime's reader for its format (``configs.py``) and
+resolves it on the model with ``preflight`` (``analysis.py``), so its verdict is the run's:
+exit 2 names the key the run would name, and the config it prints is the one the run
+would use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch.nn as nn
+
+from ..config import OverlapConfig, OverlapConfigError, dtype_name
+from .analysis import analyze, bucket_rows, module_tree
+from .configs import SHAPES, LoadedConfig, load_config
+from .models import load_model
+from .text import (
+    auto_lines,
+    bucket_lines,
+    dtype_lines,
+    memory_lines,
+    model_lines,
+    plural,
+    tree_lines,
+    warning_lines,
+)
+
+__all__ = ["checked_config", "cmd_check", "cmd_inspect", "plan_target"]
+
+Result = tuple[int, dict[str, Any], list[str]]
+
+
+def plan_target(model: nn.Module, loaded: LoadedConfig) -> nn.Module:
+    """The module the run parallelizes, so the plan is resolved against it: for a
+    LightningModule, the one the strategy's ``module`` argument selects (``select_target``,
+    the strategy's own choice); any other model as it is."""
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover - lightning is a dependency
+        return model
+    if not isinstance(model, LightningModule):
+        return model
+    from ..lightning._common import select_target
+
+    try:
+        return select_target(model, loaded.module or "auto")[1]
+    except OverlapConfigError as exc:  # "module: ...": the strategy's own argument
+        raise OverlapConfigError(f"{loaded.path}: {loaded.section}.{exc}") from None
+
+
+def checked_config(
+    loaded: LoadedConfig, model: nn.Module, world: int | None, small_bytes: int
+) -> tuple[OverlapConfig, nn.Module, dict[str, Any]]:
+    """The config the run would use with ``model`` (a LightningModule: the part of it the
+    strategy parallelizes), and the analysis of its plan."""
+    target = plan_target(model, loaded)
+    config = loaded.resolve(target)
+    result = analyze(target, config, world=world, small_bytes=small_bytes, key=loaded.key, rename=loaded.rename)
+    return config, target, result
+
+
+def cmd_inspect(args: argparse.Namespace) -> Result:
+    loaded = load_config(args.config)
+    model, info = load_model(args.model, args.model_arg)
+    config, target, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
+    plan = [r["modules"] for r in result["plan"]["buckets"]]
+    tree = module_tree(target, config, plan, depth=args.depth)
+    auto_rows = bucket_rows(target, config, result["auto"]["buckets"])
+    out = {
+        "command": "inspect",
+        "model": info,
+        "config": {"path": loaded.path, "shape": loaded.shape, "values": config.to_dict(), "notes": loaded.notes},
+        "dtypes": {
+            "storage": info["storage_dtypes"],
+            "gather": dtype_name(config.torch_param_dtype),
+            "reduce": dtype_name(config.torch_reduce_dtype),
+        },
+        "tree": tree,
+        "auto_plan": dict(result["auto"], buckets=auto_rows),
+        "plan": result["plan"],
+        "memory": result["memory"],
+        "warnings": result["warnings"],
+    }
+    lines = model_lines(info)
+    if loaded.path:
+        lines.append(f"config  {loaded.path} ({loaded.shape})" + "".join(f"; {n}" for n in loaded.notes))
+    lines += dtype_lines(config, info)
+    lines.append("")
+    lines += tree_lines(tree, args.expand)
+    lines.append("")
+    lines += auto_lines(result)
+    lines += bucket_lines(auto_rows, args.expand)
+    if result["plan"]["source"] == "config":
+        lines.append(
+            f"the config's own bucket_plans ({len(plan)} buckets) is in the bucket column above; "
+            "fsdp-overlap check lists it"
+        )
+    lines += memory_lines(result, config)
+    lines += warning_lines(result)
+    return 0, out, lines
+
+
+def _config_out(loaded: LoadedConfig, config: OverlapConfig) -> dict[str, Any]:
+    return {
+        "path": loaded.path,
+        "shape": loaded.shape,
+        "section": loaded.section,
+        "values": config.to_dict(),
+        "notes": loaded.notes,
+    }
+
+
+def cmd_check(args: argparse.Namespace) -> Result:
+    """``args``: the ``check`` arguments; ``args.environ`` (optional, ``launch`` sets it) is
+    what ``accelerate launch`` exports beside the file (see ``configs.load_config``)."""
+    loaded = load_config(args.config, environ=getattr(args, "environ", None))
+    where = f", keys under {loaded.section}" + (f" as {loaded.prefix}<key>" if loaded.prefix else "")
+    lines = [f"config  {loaded.path} ({SHAPES[loaded.shape]}{where if loaded.section else ''}): keys valid"]
+    lines += [f"        {n}" for n in loaded.notes]
+    spec, model_args = args.model, list(args.model_arg or [])
+    if spec is None and loaded.model_spec is not None:
+        spec = loaded.model_spec
+        model_args = [f"{k}={json.dumps(v)}" for k, v in loaded.model_kwargs.items()] + model_args
+        lines.append(f"        model from model.class_path: {spec}")
+    if spec is None:
+        out = {"command": "check", "ok": True, "config": _config_out(loaded, loaded.config), "warnings": []}
+        lines.append("model   none given (--model): keys checked, plan not resolved")
+        lines += warning_lines(out)
+        return 0, out, lines
+    model, info = load_model(spec, model_args)
+    config, _, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
+    out = {
+        "command": "check",
+        "ok": True,
+        "config": _config_out(loaded, config),
+        "model": info,
+        "plan": result["plan"],
+        "auto_plan": result["auto"],
+        "activation_checkpointing": result["activation_checkpointing"],
+        "unbucketed": result["unbucketed"],
+        "memory": result["memory"],
+        "warnings": result["warnings"],
+    }
+    lines += model_lines(info) + dtype_lines(config, info)
+    rows = result["plan"]["buckets"]
+    if result["plan"]["source"] == "auto":
+        lines += auto_lines(result)
+    else:
+        lines.append(f"plan    {len(rows)} buckets from {loaded.key('bucket_plans')}")
+    lines += bucket_lines(rows, args.expand)
+    if result["activation_checkpointing"]:
+        lines.append(
+            f"activation checkpointing ({config.activation_checkpointing_policy}): "
+            f"{', '.join(result['activation_checkpointing'])}"
+        )
+    lines += memory_lines(result, config)
+    lines += warning_lines(result)
+    passes = [name for name in ("manual_bucketing", "overlap_grad_reduce") if getattr(config, name)]
+    lines.append(
+        f"OK: {len(rows)} buckets, {plural(len(result['warnings']), 'warning')}; "
+        + (
+            f"passes on: {', '.join(passes) or 'none'}"
+            if config.compile
+            else "compile: false (eager fully_shard per bucket)"
+        )
+    )
+    return (1 if args.strict and result["warnings"] else 0), out, lines

@@ -1,0 +1,139 @@
+"""The command line: the parser, the subcommands, the exit codes (0 ok; 1 ``--strict`` and a
+warning, or nothing to explain or draw; 2 a bad config, model spec or report)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .._version import __version__
+from ..config import OverlapConfigError, parse_bytes
+from .analysis import SMALL_BUCKET_BYTES
+from .commands import cmd_check, cmd_inspect
+from .errors import CliError
+from .explain import GRAPHS, cmd_explain, cmd_timeline, rate_arg
+from .text import format_bytes
+
+__all__ = ["build_parser", "main"]
+
+_LAUNCH = "launch"
+
+
+def _size_arg(text: str) -> int:
+    try:
+        value = parse_bytes(text, "--small-bytes")
+    except OverlapConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert value is not None
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the model factory, or a config field for hf:, value read as YAML "
+        "(repeatable): --model-arg n_layer=48",
+    )
+    p.add_argument("--world", type=int, default=None, help="world size, to check the mesh and show memory per rank")
+    p.add_argument(
+        "--small-bytes",
+        type=_size_arg,
+        default=SMALL_BUCKET_BYTES,
+        metavar="SIZE",
+        help=f"warn on buckets gathering less than this (default {format_bytes(SMALL_BUCKET_BYTES)}; see docs/tuning.md)",
+    )
+    p.add_argument("--expand", action="store_true", help="one line per block (text only; --json always has all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-overlap",
+        description="Inspect, check and explain fsdp-overlap bucket plans, on the meta device, with no GPU; "
+        "launch an Accelerate job after checking its config.",
+        epilog="Exit codes: 0 ok, 1 --strict with warnings or nothing to explain/draw, 2 bad config, model or report "
+        "(launch: 2 before any worker starts, else accelerate launch's own exit code).",
+    )
+    parser.add_argument("--version", action="version", version=f"fsdp-overlap {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,check,explain,timeline,launch}")
+
+    p = sub.add_parser("inspect", help="module tree with bytes per bucket candidate, and the auto plan")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="package.module:factory (e.g. fsdp_overlap_plugin.models.gpt:gpt_1b) or hf:path/to/config.json",
+    )
+    p.add_argument("--config", default=None, help="a plugin, LightningCLI or Accelerate YAML (dtypes, bucket_bytes)")
+    p.add_argument("--depth", type=int, default=0, help="also show N levels inside each bucketed module")
+    _add_model_args(p)
+
+    p = sub.add_parser("check", help="validate a YAML as the run would, and resolve its plan against a model")
+    p.add_argument("config", metavar="CONFIG", help="a plugin, LightningCLI or Accelerate YAML")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="package.module:factory or hf:path/to/config.json (default: model.class_path of a LightningCLI YAML)",
+    )
+    p.add_argument("--strict", action="store_true", help="exit 1 when there is any warning")
+    _add_model_args(p)
+
+    p = sub.add_parser("explain", help="per-bucket launches and waits before/after the passes, from a report JSON")
+    p.add_argument("report", metavar="REPORT.json", help="json.dump(schedule_report(model)) output")
+    p.add_argument("--graph", action="append", choices=GRAPHS, help="only this graph (repeatable)")
+    p.add_argument("--sequence", action="store_true", help="also print every item in graph order")
+    p.add_argument("--png", default=None, metavar="OUT.png", help="also draw the timeline (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    p = sub.add_parser("timeline", help="draw predicted compute/communication lanes before/after the passes (PNG)")
+    p.add_argument("report", metavar="REPORT.json", help="json.dump(schedule_report(model)) output")
+    p.add_argument("--out", default="timeline.png", help="PNG to write (default timeline.png)")
+    p.add_argument("--flops", type=float, default=None, help="compute FLOP/s (default: by the report's device type)")
+    p.add_argument("--mem", type=float, default=None, help="memory bytes/s")
+    p.add_argument("--link", type=rate_arg, default=None, help="link rate per rank: 300mbit, 1gbit, 25gb (bytes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    # `launch` parses its own arguments (everything it does not know goes to accelerate
+    # launch unchanged, the training script's arguments included): listed here for --help.
+    sub.add_parser(
+        _LAUNCH,
+        help="check an Accelerate YAML (--config or --config_file), then run accelerate launch with it",
+        add_help=False,
+    )
+    return parser
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], list[str]]]] = {
+    "inspect": cmd_inspect,
+    "check": cmd_check,
+    "explain": cmd_explain,
+    "timeline": cmd_timeline,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [_LAUNCH]:
+        from .launch import main as launch_main
+
+        return launch_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        code, out, lines = _COMMANDS[args.command](args)
+    except (OverlapConfigError, CliError) as exc:
+        message = str(exc)
+        if args.json:
+            print(json.dumps({"command": args.command, "ok": False, "error": message}))
+        print(f"fsdp-overlap {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, default=str))
+    else:
+        print("\n".join(lines))
+    return code

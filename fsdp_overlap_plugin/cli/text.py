@@ -1,0 +1,221 @@
+"""Text for people: sizes, counts, tables, and the lines ``inspect`` and ``check`` print."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import OverlapConfig, dtype_name
+
+__all__ = [
+    "auto_lines",
+    "bucket_lines",
+    "dtype_lines",
+    "format_bytes",
+    "format_count",
+    "format_flops",
+    "memory_lines",
+    "model_lines",
+    "plural",
+    "table",
+    "tree_lines",
+    "warning_lines",
+]
+
+
+def format_bytes(n: int | float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; binary units, as memory is reported."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_count(n: int) -> str:
+    """``207232`` -> ``"207.2K"``; exact below 10,000."""
+    if n < 10_000:
+        return f"{n:,}"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def format_flops(n: int | float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} FLOP"
+
+
+def table(rows: list[list[str]], right: set[int] = frozenset(), indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        out.append((indent + "  ".join(cells)).rstrip())
+    return out
+
+
+def _dtype_label(dtype: torch.dtype | None, key: str, value: str | None, storage: list[str]) -> str:
+    shown = dtype_name(dtype) if dtype is not None else "/".join(storage)
+    if value is None:
+        fallback = "param_dtype" if key == "reduce_dtype" and dtype is not None else "parameter dtype"
+        return f"{shown} ({key}: null = {fallback})"
+    return f"{shown} ({key}: {value})"
+
+
+def model_lines(info: dict[str, Any]) -> list[str]:
+    where = (
+        "on meta, no memory allocated for weights"
+        if not info["non_meta_params"]
+        else f"{info['non_meta_params']} parameters NOT on meta (the factory placed them on a device)"
+    )
+    lines = [f"model   {info['spec']} -> {info['class']} ({where})"]
+    if info.get("config"):
+        changed = [f"{k}={v}" for k, v in info["kwargs"].items()] + list(info.get("notes") or [])
+        lines.append(
+            f"        transformers config {info['config']}, model_type {info['model_type']}"
+            + (f"; overrides: {', '.join(changed)}" if changed else "")
+        )
+    lines.append(
+        f"        {info['params']:,} parameters ({format_count(info['params'])}), "
+        f"{format_bytes(info['storage_bytes'])} in {'/'.join(info['storage_dtypes'])}"
+    )
+    return lines
+
+
+def dtype_lines(config: OverlapConfig, info: dict[str, Any]) -> list[str]:
+    storage = info["storage_dtypes"]
+    gather = _dtype_label(config.torch_param_dtype, "param_dtype", config.param_dtype, storage)
+    reduce = _dtype_label(config.torch_reduce_dtype, "reduce_dtype", config.reduce_dtype, storage)
+    return [f"bytes   storage {'/'.join(storage)} (parameter dtype) | all-gather {gather} | reduce-scatter {reduce}"]
+
+
+def _runs(rows: list[dict[str, Any]], name, index, same: tuple[str, ...], expand: bool) -> list[list[dict[str, Any]]]:
+    """Consecutive rows that differ only in a trailing block number (``blocks.0``, ``blocks.1``,
+    ...) and their bucket index, grouped so a 80-layer model prints one line per run."""
+    groups: list[list[dict[str, Any]]] = []
+    for r in rows:
+        prev = groups[-1][-1] if groups else None
+        n, p = name(r), name(prev) if prev else None
+        if (
+            not expand
+            and prev is not None
+            and n is not None
+            and p is not None
+            and all(r[k] == prev[k] for k in same)
+            and n.rpartition(".")[0] == p.rpartition(".")[0]
+            and n.rpartition(".")[2].isdigit()
+            and p.rpartition(".")[2].isdigit()
+            and int(n.rpartition(".")[2]) == int(p.rpartition(".")[2]) + 1
+            and index(r) is not None
+            and index(prev) is not None
+            and index(r) == index(prev) + 1
+        ):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    out: list[list[dict[str, Any]]] = []
+    for g in groups:  # runs shorter than 4 print row by row
+        out.extend([g] if len(g) >= 4 else [[r] for r in g])
+    return out
+
+
+def _run_label(group: list[dict[str, Any]], first: str, last: str) -> str:
+    return first if len(group) == 1 else f"{first} .. {last} ({len(group)}x)"
+
+
+def bucket_lines(rows: list[dict[str, Any]], expand: bool = False) -> list[str]:
+    grid = [["bucket", "modules", "params", "storage", "all-gather", "reduce-scatter"]]
+    one = lambda r: r["modules"][0] if len(r["modules"]) == 1 else None  # noqa: E731
+    same = ("params", "storage_bytes", "gather_bytes", "reduce_bytes")
+    for g in _runs(rows, one, lambda r: r["index"], same, expand):
+        r = g[0]
+        each = "" if len(g) == 1 else " each"
+        grid.append(
+            [
+                str(r["index"]) if len(g) == 1 else f"{r['index']}-{g[-1]['index']}",
+                _run_label(g, ", ".join(r["modules"]), ", ".join(g[-1]["modules"])),
+                f"{r['params']:,}",
+                format_bytes(r["storage_bytes"]) + each,
+                format_bytes(r["gather_bytes"]) + each,
+                format_bytes(r["reduce_bytes"]) + each,
+            ]
+        )
+    return table(grid, right={0, 2, 3, 4, 5})
+
+
+def tree_lines(tree: list[dict[str, Any]], expand: bool = False) -> list[str]:
+    grid = [["module", "type", "params", "storage", "all-gather", "reduce-scatter", "bucket"]]
+    name = lambda r: r["fqn"] if r["role"] == "bucket" else None  # noqa: E731
+    same = ("type", "depth", "params", "storage_bytes", "gather_bytes", "reduce_bytes")
+    for g in _runs(tree, name, lambda r: r["bucket"], same, expand):
+        r = g[0]
+        bucket = {"container": "", "unbucketed": "none", "own": "none"}.get(r["role"], str(r["bucket"]))
+        each = "" if len(g) == 1 else " each"
+        grid.append(
+            [
+                "  " * r["depth"] + _run_label(g, r["fqn"], g[-1]["fqn"]),
+                r["type"],
+                f"{r['params']:,}",
+                format_bytes(r["storage_bytes"]) + each,
+                format_bytes(r["gather_bytes"]) + each,
+                format_bytes(r["reduce_bytes"]) + each,
+                bucket if len(g) == 1 else f"{r['bucket']}-{g[-1]['bucket']}",
+            ]
+        )
+    return table(grid, right={2, 3, 4, 5, 6}, indent="")
+
+
+def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
+    m = result["memory"]
+    out = []
+    if m["sharded_storage_bytes_per_rank"] is not None:
+        mesh = f"{m['replicate']} x {m['shard_size']}" if m["replicate"] > 1 else str(m["shard_size"])
+        out.append(
+            f"memory  {m['world']} ranks (mesh {mesh}): {format_bytes(m['sharded_storage_bytes_per_rank'])} of "
+            "parameters per rank (sharded)"
+        )
+    if config.reshard_after_forward:
+        pair = "-".join(str(i) for i in m["prefetch_peak_buckets"])
+        out.append(
+            f"{'memory' if not out else '':<8}prefetch holds at most 2 buckets gathered at once: peak "
+            f"{format_bytes(m['prefetch_peak_bytes'])} (buckets {pair}), unsharded, in param_dtype"
+        )
+    else:
+        out.append(
+            f"{'memory' if not out else '':<8}reshard_after_forward is off: after forward every bucket stays "
+            f"gathered, {format_bytes(m['all_gathered_bytes'])} unsharded"
+        )
+    return out
+
+
+def warning_lines(result: dict[str, Any]) -> list[str]:
+    if not result["warnings"]:
+        return ["warnings: none"]
+    return [f"warnings ({len(result['warnings'])}):"] + [
+        f"  - [{w['kind']}] {w['message']}" for w in result["warnings"]
+    ]
+
+
+def auto_lines(result: dict[str, Any]) -> list[str]:
+    auto = result["auto"]
+    source = {
+        "bucket_bytes": "bucket_bytes",
+        "median block": "one block, the median; bucket_bytes: null",
+        "default (no repeated blocks)": "no repeated blocks; bucket_bytes: null",
+    }[auto["target_source"]]
+    blocks = auto["blocks"]
+    shown = f"{blocks[0]} .. {blocks[-1]} ({len(blocks)})" if len(blocks) > 2 else ", ".join(blocks)
+    head = f"auto plan: {len(auto['buckets'])} buckets"
+    head += f"; repeated blocks {shown}, one bucket each" if blocks else "; no repeated blocks"
+    head += f"; other modules grouped to {format_bytes(auto['target_bytes'])} ({source})"
+    return [head]
