@@ -3,6 +3,9 @@ prints the schedule summary. Every plugin setting comes from the YAML given to t
 launcher (the fsdp_overlap_* keys under fsdp_config); the script has one extra line.
 
     accelerate launch --config_file configs/overlap.yaml --num_processes 2 examples/accelerate_train.py
+    fsdp-overlap launch --config configs/overlap.yaml --num_processes 2 examples/accelerate_train.py
+
+(the second checks the YAML first, and stops naming the key before any process starts)
 
 Works on GPUs (nccl), Ascend NPUs (hccl) and, for development, on a CPU-only machine as
 2 gloo ranks with the same command. Checkpoints, as in Accelerate's own examples:

@@ -22,12 +22,22 @@ MAX_GRAD_NORM = 1.0
 MODEL = dict(n_layer=4, d_model=64, block_size=SEQ)
 
 
+def launch_env() -> dict[str, str]:
+    """The environment of a user's shell: the package importable, one thread per rank, and
+    nothing a launcher or an earlier test exported (no CPU override, no config, no rank)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in ("ACCELERATE_USE_CPU", "FSDP_OVERLAP_CONFIG", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
 def accelerate_launch(
     config: str | Path, *script_args: str, script: Path = EXAMPLE, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file CONFIG --num_processes 2 SCRIPT ARGS`` (by default
-    examples/accelerate_train.py), run from the repository root as a user would, with no
-    CPU override in the environment."""
+    examples/accelerate_train.py), run from the repository root as a user would."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [
         str(accelerate),
@@ -38,13 +48,16 @@ def accelerate_launch(
         "2",
         str(script.relative_to(ROOT)),
     ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for name in ("ACCELERATE_USE_CPU", "FSDP_OVERLAP_CONFIG", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
-        env.pop(name, None)
     return subprocess.run(
-        [*cmd, *script_args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        [*cmd, *script_args], cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def fsdp_overlap(*argv: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The ``fsdp-overlap`` console script with ``argv``, from ``cwd``, as a user would run it."""
+    command = Path(sys.executable).with_name("fsdp-overlap")
+    return subprocess.run(
+        [str(command), *argv], cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
 
 

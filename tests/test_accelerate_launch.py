@@ -1,6 +1,6 @@
 """The real command: ``accelerate launch --config_file configs/overlap.yaml --num_processes 2
 examples/accelerate_train.py`` on a CPU-only machine, with nothing else on the command
-line or in the environment: 2 gloo ranks, sharded parameters, the schedule summary, the
+line or in the environment (and ``fsdp-overlap launch --config ...``, training the same): 2 gloo ranks, sharded parameters, the schedule summary, the
 core's losses; config-only tuning; resuming from save_state; bad YAML caught on every rank."""
 
 from __future__ import annotations
@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _accelerate import OVERLAP_YAML, accelerate_launch, copy_yaml, core_reference, output, rank_lines
+from _accelerate import (
+    EXAMPLE,
+    MODEL,
+    OVERLAP_YAML,
+    ROOT,
+    accelerate_launch,
+    copy_yaml,
+    core_reference,
+    fsdp_overlap,
+    output,
+    rank_lines,
+)
 from _dist import run_ranks
 
 from fsdp_overlap_plugin import OverlapConfig
@@ -31,7 +42,7 @@ def _assert_bucketed(report: dict, buckets: int) -> None:
 
 
 @pytest.mark.slow
-def test_the_real_launch_command(tmp_path):
+def test_the_real_launch_command_and_fsdp_overlap_launch(tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = accelerate_launch("configs/overlap.yaml", "--metrics", str(metrics))  # relative, as a user types it
     text = output(proc)
@@ -59,6 +70,23 @@ def test_the_real_launch_command(tmp_path):
     assert reference[0] == reference[1]
     assert losses == reference[0]  # bitwise
     assert losses[-1] < losses[0]
+
+    # The spelling users type, through fsdp-overlap launch: the check first (with the
+    # plan on the model the script builds), then the same training, bitwise.
+    ours_metrics = tmp_path / "ours.json"
+    model = ["--model", "fsdp_overlap_plugin.models.gpt:gpt_small"] + [f"--model-arg={k}={v}" for k, v in MODEL.items()]
+    ours = fsdp_overlap(
+        "launch", "--config", "configs/overlap.yaml", *model, "--num_processes", "2",
+        str(EXAMPLE.relative_to(ROOT)), "--metrics", str(ours_metrics),
+    )  # fmt: skip
+    text = output(ours)
+    assert ours.returncode == 0, text[-6000:]
+    assert ours.stdout.startswith("fsdp-overlap launch: configs/overlap.yaml: OK: 6 buckets, 1 warning; passes on: ")
+    assert f"fsdp-overlap settings from {OVERLAP_YAML} ($FSDP_OVERLAP_CONFIG)" in ours.stdout
+    assert sorted(rank_lines(text)) == [0, 1]
+    ours_result = json.loads(ours_metrics.read_text())
+    assert [ours_result["losses"][str(step)] for step in range(STEPS)] == losses  # bitwise
+    assert ours_result["report"]["config"] == report["config"] and ours_result["report"]["plan"] == report["plan"]
 
 
 @pytest.mark.slow
