@@ -39,6 +39,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _optimizers(optimizer: Any) -> Any:
+    """What torch's ``get_state_dict`` / ``set_state_dict`` take for "no optimizer"."""
+    return [] if optimizer is None else optimizer
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -65,10 +70,7 @@ def save(
         for stale in directory.glob(".step_*.partial"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    if optimizer is not None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-    else:
-        model_state, optim_state = get_state_dict(model, [])
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     state = {"model": model_state, "optim": optim_state, "meta": {"step": step, "extra": json.dumps(extra or {})}}
     dcp.save(state, checkpoint_id=str(partial))  # ends with every rank's files written
     _barrier()
@@ -97,15 +99,14 @@ def load_latest(directory: str | Path, model: nn.Module, optimizer: Any = None) 
     if not pointer.is_file():
         return None
     path = directory / pointer.read_text().strip()
-    if optimizer is not None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-    else:
-        model_state, optim_state = get_state_dict(model, [])
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     state = {"model": model_state, "optim": optim_state, "meta": {"step": 0, "extra": ""}}
     dcp.load(state, checkpoint_id=str(path))
-    if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    set_state_dict(
+        model,
+        _optimizers(optimizer),
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"] if optimizer is not None else {},
+    )
     meta = state["meta"]
     return int(meta["step"]), json.loads(meta["extra"] or "{}")

@@ -28,6 +28,10 @@ import torch.fx as fx
 
 __all__ = ["RankAgreement", "RankMismatchError", "RankTimeoutError", "graph_fingerprint", "first_difference"]
 
+#: How often a rank waiting for the others reads the store's counter: short against a
+#: compile (seconds), long enough that waiting ranks do not load rank 0's store.
+_POLL_SECONDS = 0.02
+
 
 class RankMismatchError(RuntimeError):
     """Ranks compiled different graphs; raised on every rank."""
@@ -123,7 +127,7 @@ class RankAgreement:
                     f"{self.timeout_s:.0f} s (rank_check_timeout). The others are still compiling, took a "
                     "different code path, or failed: check their logs."
                 )
-            time.sleep(0.02)
+            time.sleep(_POLL_SECONDS)
         bad = self.store.add(self._key(name, "nbad"), 0)
         messages = []
         if bad:

@@ -18,6 +18,10 @@ import torch.nn.functional as F
 __all__ = ["GPT", "GPTConfig", "fixed_batches", "gpt_small", "gpt_bench", "gpt_1b"]
 
 
+#: GPT-2's initialiser: weights drawn from N(0, INIT_STD).
+INIT_STD = 0.02
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
@@ -26,7 +30,6 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 64
     tie_weights: bool = False
-    dropout: float = 0.0
 
 
 class Attention(nn.Module):
@@ -87,7 +90,8 @@ class GPT(nn.Module):
             if p.device.type == "meta":
                 continue
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                # residual projections scaled down by depth, as GPT-2 does
+                std = INIT_STD / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else INIT_STD
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
