@@ -562,9 +562,20 @@ def test_framework_precision_disagreeing_with_param_dtype_is_an_error(capsys, tm
         and "fsdp_config.fsdp_overlap_param_dtype is 'bf16' but Accelerate's mixed_precision is 'fp16'"
         in (out["error"])
     )
-    lightning.write_text("trainer:\n  precision: 16-mixed\n  strategy: fsdp_overlap\n")  # Lightning refuses it too
+    lightning.write_text(  # Lightning refuses it for ModelParallelStrategy
+        "trainer:\n  precision: 16-mixed\n  strategy:\n"
+        "    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n"
+    )
     code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
-    assert code == 2 and "trainer.precision='16-mixed' is not supported" in out["error"]
+    assert (
+        code == 2
+        and "trainer.precision='16-mixed': Lightning refuses it: The `ModelParallelStrategy`" in (out["error"])
+    )
+    # by name, with accelerator: auto, the machine decides: here a CPU, where Lightning uses bf16-mixed
+    lightning.write_text("trainer:\n  precision: 16-mixed\n  strategy: fsdp_overlap\n")
+    code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
+    notes = " | ".join(out["config"]["notes"])
+    assert code == 0 and "Using `precision='bf16-mixed'` instead" in notes and "auto is CPUAccelerator" in notes
     lightning.write_text("trainer:\n  precision: bf16-mixed\n  strategy: fsdp_overlap\n")
     code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
     # what the strategy runs with: gathers in bf16, reduce-scatters in fp32 (0.1's check said bf16)

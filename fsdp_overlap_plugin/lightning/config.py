@@ -321,6 +321,11 @@ def _trainer_precision(trainer: Any, strategy: Any, notes: list[str]) -> tuple[A
     finally:
         logger.setLevel(level)
     notes.extend(f"Lightning: {w.message}" for w in caught if "precision" in str(w.message))
+    if trainer.accelerator == "auto":
+        chosen = type(connector.accelerator).__name__
+        notes.append(
+            f"accelerator: auto is {chosen} on this machine; the run's machine decides (set trainer.accelerator)"
+        )
     return connector.strategy, precision_of(connector.precision_plugin)
 
 
