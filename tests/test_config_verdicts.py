@@ -159,9 +159,12 @@ def run_lightning(path: Path) -> Outcome:
     from fsdp_overlap_plugin.state import get_state
 
     err = io.StringIO()
+    # no global seeding: LightningCLI's seed_everything would leave PL_GLOBAL_SEED in this
+    # process's environment, and every later test's ranks would reseed from it
+    args = ["--config", str(path), "--seed_everything=false"]
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            cli = lightning_gpt.cli_main(["--config", str(path)], run=False)
+            cli = lightning_gpt.cli_main(args, run=False)
     except SystemExit as exc:  # LightningCLI's parser prints its error and exits 2
         raise RuntimeError(err.getvalue()) from exc
     trainer, strategy = cli.trainer, cli.trainer.strategy
@@ -201,6 +204,8 @@ def _leaf(key: str) -> str:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_check_and_runtime_agree(case, monkeypatch):
     monkeypatch.chdir(ROOT)
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # restored (removed) after the test, whatever ran
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py"])  # LightningCLI reads only its args=
     code, out = check(case, *_model_for(case))
     outcome = runtime(case)
