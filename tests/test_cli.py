@@ -539,38 +539,28 @@ def test_docs_tuning_examples_are_current(capsys, monkeypatch):
     assert checked >= 2
 
 
+def _refusal(capsys, path: Path, text: str) -> str:
+    """``check``'s error for a file holding ``text`` (it must exit 2)."""
+    path.write_text(text)
+    code, out = run_json(capsys, "check", str(path), "--model", SMALL)
+    assert code == 2 and not out["ok"], out
+    return out["error"]
+
+
 def test_framework_precision_disagreeing_with_param_dtype_is_an_error(capsys, tmp_path):
     """As in the run: the strategy and the Accelerate adapter refuse a param_dtype that
     contradicts the framework's precision (0.1's check only warned)."""
+    strategy = "  strategy:\n    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n"
     lightning = tmp_path / "l.yaml"
-    lightning.write_text(
-        "trainer:\n  precision: bf16-mixed\n  strategy:\n"
-        "    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n    init_args:\n      param_dtype: fp16\n"
+    error = _refusal(
+        capsys, lightning, f"trainer:\n  precision: bf16-mixed\n{strategy}    init_args:\n      param_dtype: fp16\n"
     )
-    code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
-    assert (
-        code == 2
-        and "trainer.strategy.init_args.param_dtype: 'fp16' conflicts with precision='bf16-mixed'" in (out["error"])
-    )
-    accelerate = tmp_path / "a.yaml"
-    accelerate.write_text(
-        "distributed_type: FSDP\nmixed_precision: fp16\nfsdp_config:\n  fsdp_overlap_param_dtype: bf16\n"
-    )
-    code, out = run_json(capsys, "check", str(accelerate), "--model", SMALL)
-    assert (
-        code == 2
-        and "fsdp_config.fsdp_overlap_param_dtype is 'bf16' but Accelerate's mixed_precision is 'fp16'"
-        in (out["error"])
-    )
-    lightning.write_text(  # Lightning refuses it for ModelParallelStrategy
-        "trainer:\n  precision: 16-mixed\n  strategy:\n"
-        "    class_path: fsdp_overlap_plugin.lightning.FSDPOverlapStrategy\n"
-    )
-    code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
-    assert (
-        code == 2
-        and "trainer.precision='16-mixed': Lightning refuses it: The `ModelParallelStrategy`" in (out["error"])
-    )
+    assert "trainer.strategy.init_args.param_dtype: 'fp16' conflicts with precision='bf16-mixed'" in error
+    accelerate = "distributed_type: FSDP\nmixed_precision: fp16\nfsdp_config:\n  fsdp_overlap_param_dtype: bf16\n"
+    error = _refusal(capsys, tmp_path / "a.yaml", accelerate)
+    assert "fsdp_config.fsdp_overlap_param_dtype is 'bf16' but Accelerate's mixed_precision is 'fp16'" in error
+    error = _refusal(capsys, lightning, f"trainer:\n  precision: 16-mixed\n{strategy}")  # Lightning refuses it
+    assert "trainer.precision='16-mixed': Lightning refuses it: The `ModelParallelStrategy`" in error
     # by name, with accelerator: auto, the machine decides: here a CPU, where Lightning uses bf16-mixed
     lightning.write_text("trainer:\n  precision: 16-mixed\n  strategy: fsdp_overlap\n")
     code, out = run_json(capsys, "check", str(lightning), "--model", SMALL)
