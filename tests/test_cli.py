@@ -587,3 +587,16 @@ def test_lightning_yaml_for_hardware_this_machine_lacks(capsys, tmp_path):
     cfg.write_text("trainer:\n  accelerator: cuda\n  precision: 16-mixed\n  strategy: fsdp_overlap\n")
     code, out = run_json(capsys, "check", str(cfg), "--model", SMALL)  # refused on the GPU: by the strategy
     assert code == 2 and "trainer.precision='16-mixed' is not supported by the fsdp_overlap strategy" in out["error"]
+
+
+def test_lightning_yaml_nested_under_a_subcommand(capsys, tmp_path):
+    """A config given before the subcommand (``python train.py --config c.yaml fit``) nests
+    LightningCLI's keys under it; keys are named with that prefix."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("fit:\n  trainer:\n    devices: 2\n    precision: bf16-mixed\n    strategy: fsdp_overlap\n")
+    code, out = run_json(capsys, "check", str(cfg), "--model", SMALL)
+    assert code == 0 and out["config"]["section"] == "fit.trainer.strategy.init_args"
+    assert out["config"]["values"]["param_dtype"] == "bf16" and out["memory"]["world"] == 2
+    cfg.write_text("fit:\n  trainer:\n    presicion: bf16-mixed\n    strategy: fsdp_overlap\n")
+    code, out = run_json(capsys, "check", str(cfg), "--model", SMALL)
+    assert code == 2 and "unknown key 'fit.trainer.presicion'. Did you mean 'precision'" in out["error"]
