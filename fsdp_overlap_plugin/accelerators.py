@@ -28,6 +28,7 @@ __all__ = [
     "init_process_group",
     "local_rank",
     "npu_module",
+    "reduce_scatter_choice",
 ]
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -91,6 +92,42 @@ def backend_for(device_type: str) -> str:
         return BACKENDS[device_type]
     except KeyError:
         raise ValueError(f"device type {device_type!r} is not supported; valid: {', '.join(BACKENDS)}.") from None
+
+
+# Shard-group sizes on which gloo's reduce_scatter_tensor (a clone plus a ring all-reduce)
+# and all_to_all_single plus a local sum give bitwise equal results: on 2 ranks each output
+# element is one addition of two numbers either way. On 3 and 4 ranks the ring adds in
+# another order than the local sum (measured: 0-3 of 20 random fp32/bf16/fp16 tensors
+# equal), so there the all-to-all is only equal up to rounding. tests/test_reduce_scatter_impl.py
+# checks both claims on real gloo ranks.
+GLOO_ALL_TO_ALL_BITWISE = (2,)
+
+
+def reduce_scatter_choice(requested: str, backend: str, shard_size: int | None, *, compiled: bool = True) -> tuple[str, str]:
+    """The gradient reduce-scatter implementation ``reduce_scatter_impl: requested`` runs on
+    ``backend`` with ``shard_size`` ranks per shard group, and why: ``(impl, reason)``.
+
+    ``auto`` picks, per backend, the implementation that moves the fewest bytes among those
+    bitwise equal to the backend's own reduce-scatter: all-to-all plus a local sum on gloo
+    with 2 ranks per shard group (half the bytes of gloo's clone plus all-reduce), native
+    everywhere else. An explicit ``native`` or ``all_to_all`` is kept as it is."""
+    if not compiled:
+        return "native", "compile: false runs eager fully_shard, which reduce-scatters natively"
+    if requested != "auto":
+        return requested, "set in the config"
+    if shard_size is None or shard_size < 2:
+        return "native", "one rank per shard group: there is nothing to scatter"
+    if backend != "gloo":
+        return "native", f"{backend}'s reduce-scatter already sends each rank only its chunk"
+    if shard_size in GLOO_ALL_TO_ALL_BITWISE:
+        return "all_to_all", (
+            "gloo's reduce-scatter is a clone plus a full all-reduce; all-to-all plus a local sum "
+            "sends half the bytes and is bitwise equal on 2 ranks per shard group"
+        )
+    return "native", (
+        f"on gloo with {shard_size} ranks per shard group all-to-all plus a local sum adds in "
+        "another order than gloo's ring (equal only up to rounding), so the native reduce-scatter runs"
+    )
 
 
 def local_rank() -> int:

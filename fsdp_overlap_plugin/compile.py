@@ -104,7 +104,13 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
     ),
     PassEntry(
         "manual_bucketing",
-        lambda gm, state: passes.manual_bucketing(gm, state.plan),
+        lambda gm, state: passes.manual_bucketing(
+            gm,
+            state.plan,
+            prefetch_depth=state.config.prefetch_depth,
+            max_prefetch_bytes=state.config.max_prefetch_bytes,
+            kept=_kept_for_backward(gm, state),
+        ),
         lambda kind, state: state.config.manual_bucketing,
     ),
     PassEntry(
@@ -115,7 +121,7 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
     PassEntry(
         "all_to_all",
         lambda gm, state: passes.reduce_scatter_as_all_to_all(gm),
-        lambda kind, state: kind == "backward" and state.config.reduce_scatter_impl == "all_to_all",
+        lambda kind, state: kind == "backward" and state.reduce_scatter_impl == "all_to_all",
     ),
     # after every reordering: turn the final order into dependencies inductor keeps
     PassEntry(
@@ -124,6 +130,15 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
         lambda kind, state: state.config.backend == "inductor" and _reorders(state.config),
     ),
 )
+
+
+def _kept_for_backward(gm: fx.GraphModule, state: OverlapState) -> tuple[int, int]:
+    """``(buckets, bytes)`` the forward kept gathered, for a backward graph (what the
+    reshard pass recorded for this model's joint graph; one graph: ``fullgraph``)."""
+    if state.graph_kind != "backward" or not state.reshard or not state.config.fullgraph:
+        return (0, 0)
+    last = state.reshard[-1]
+    return (len(last.get("kept_buckets") or []), last.get("kept_bytes", 0))
 
 
 def _annotate_reshard(gm: fx.GraphModule, state: OverlapState) -> dict:
@@ -136,6 +151,8 @@ def _annotate_reshard(gm: fx.GraphModule, state: OverlapState) -> dict:
         # one graph (fullgraph): its last bucket is the forward's last; with graph breaks
         # only the plan's last bucket may stay gathered (a graph cannot know it is the last)
         keepable=None if config.fullgraph else state.last_bucket,
+        keep=config.prefetch_depth if config.manual_bucketing else 1,
+        keep_budget=config.max_prefetch_bytes,
     )
 
 
@@ -171,7 +188,11 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
         "passes": {},
     }
     events_before = graph_events(gm.graph, state.plan)
-    record["passes"].update(_apply(POST_GRAD_PASSES, gm, kind, state))
+    state.graph_kind = "forward" if inference else kind
+    try:
+        record["passes"].update(_apply(POST_GRAD_PASSES, gm, kind, state))
+    finally:
+        state.graph_kind = None
     bucketing = record["passes"].get("manual_bucketing")
     if bucketing is not None:
         record["left_unbucketed"] = bucketing.pop("left_unbucketed", [])
@@ -186,6 +207,14 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
         )
     gm.recompile()  # once, after all passes (no pass regenerates the code itself)
     record["after"] = collective_counts(gm.graph)
+    as_all_to_all = (record["passes"].get("all_to_all") or {}).get("rewritten", 0)
+    if as_all_to_all:
+        # a gradient reduce-scatter run as all-to-all plus a local sum is still counted as
+        # that reduce-scatter (the report's column stays "gradient reductions"); the record
+        # says how many ran that way
+        record["after"]["reduce_scatter"] += as_all_to_all
+        record["after"]["all_to_all"] -= as_all_to_all
+        record["after"]["reduce_scatter_as_all_to_all"] = as_all_to_all
     record["nodes"] = len(gm.graph.nodes)
     gm.graph.lint()  # once, after every pass, instead of inside each
     record["schedule"] = {"before": events_before, "after": graph_events(gm.graph, state.plan)}

@@ -45,7 +45,7 @@ _DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
     "fp32": (torch.float32, ("fp32", "float32", "float", "torch.float32")),
 }
 _BACKENDS = ("inductor", "aot_eager")
-_REDUCE_SCATTER_IMPLS = ("native", "all_to_all")
+_REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all")
 AC_POLICIES = ("full", "matmuls_saved")  # activation_checkpointing_policy; passes/checkpointing.py implements each
 _RANK_CHECK = ("error", "warn", "off")
 _ON_COMPILE_ERROR = ("raise", "eager")
@@ -242,11 +242,29 @@ class OverlapConfig:
     on the same communicator cannot delay the next prefetch. null = on for nccl/hccl, off for
     gloo (gloo runs each group's collectives on worker threads already)."""
 
-    reduce_scatter_impl: str = "native"
-    """How gradient reduce-scatters run: "native" (the backend's reduce_scatter_tensor) or
-    "all_to_all" (all_to_all_single plus a local sum). On gloo, whose reduce_scatter_tensor is
-    a clone plus a full all-reduce, "all_to_all" sends half the bytes; results are bitwise
-    equal on 2 ranks and equal up to summation order on more. Needs compile: true."""
+    reduce_scatter_impl: str = "auto"
+    """How gradient reduce-scatters run: "native" (the backend's reduce_scatter_tensor),
+    "all_to_all" (all_to_all_single plus a local sum) or "auto": per backend and shard-group
+    size, the one that moves the fewest bytes while bitwise equal to native. On gloo, whose
+    reduce_scatter_tensor is a clone plus a full all-reduce, "all_to_all" sends half the
+    bytes; it is bitwise equal on 2 ranks per shard group (checked on 2, 3 and 4), and only
+    equal up to summation order on more, so "auto" picks it on gloo with 2 ranks per shard
+    group and native everywhere else (nccl, hccl, gloo with more ranks). The report says
+    which ran and why. Only read with compile: true."""
+
+    prefetch_depth: int = 1
+    """How many buckets ahead parameter all-gathers launch, in forward and backward: 1
+    launches bucket i+1's while bucket i computes; 2 also bucket i+2's (more overlap on a
+    slow link, one more bucket of gathered parameters alive). Limited per bucket by
+    max_prefetch_bytes. Only read with manual_bucketing: true."""
+
+    max_prefetch_bytes: int | str | None = None
+    """Budget of gathered parameter bytes (in param_dtype, per rank) that prefetching may keep
+    alive at once: a bucket's all-gather launches as many buckets ahead (up to
+    prefetch_depth) as keeps the bucket being consumed, those launched before it and itself
+    within the budget; where even one bucket ahead does not fit it is not prefetched. null:
+    no budget (prefetch_depth alone decides). An integer or a string such as "256MiB".
+    fsdp-overlap check prints the resulting peak."""
 
     rank_check: str = "error"
     """Before the passes reorder anything, every rank compares a fingerprint of each compiled
@@ -374,6 +392,12 @@ class OverlapConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise OverlapConfigError(f"rank_check_timeout: expected a positive number of seconds, got {timeout!r}.")
         self.rank_check_timeout = float(timeout)
+        depth = self.prefetch_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise OverlapConfigError(
+                f"prefetch_depth: expected an integer >= 1 (buckets launched ahead), got {depth!r}."
+            )
+        self.max_prefetch_bytes = parse_bytes(self.max_prefetch_bytes, "max_prefetch_bytes")
         if self.reduce_scatter_impl not in _REDUCE_SCATTER_IMPLS:
             raise OverlapConfigError(
                 f"reduce_scatter_impl: unknown value {self.reduce_scatter_impl!r}; valid: "

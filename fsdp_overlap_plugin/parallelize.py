@@ -93,6 +93,12 @@ def parallelize(
         param_entries=entries,
     )
     state.adjustments.extend(checked.notes)
+    state.reduce_scatter_impl, state.reduce_scatter_reason = accelerators.reduce_scatter_choice(
+        config.reduce_scatter_impl,
+        accelerators.backend_for(device_type),
+        mesh.shape[-1],
+        compiled=config.compile,
+    )
     hf.disable_own_checkpointing(model)
     if checkpointed:
         state.checkpointed = apply_activation_checkpointing(

@@ -69,6 +69,12 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             "manual_bucketing": config.manual_bucketing and config.compile,
             "overlap_grad_reduce": config.overlap_grad_reduce and config.compile,
         },
+        "reduce_scatter": {
+            "requested": config.reduce_scatter_impl,
+            "impl": state.reduce_scatter_impl,
+            "reason": state.reduce_scatter_reason,
+        },
+        "prefetch": prefetch_total(state.records, config),
         "plan": state.plan,
         "reshard": reshard_total(state.reshard),
         "activation_checkpointing": checkpointing_total(state),
@@ -85,6 +91,22 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
     return report
 
 
+def prefetch_total(records: list[dict], config: Any) -> dict:
+    """How far ahead each training graph's all-gathers launched (``manual_bucketing``'s
+    ``prefetch_depths``, one per bucket in consumption order) and the gathered bytes that
+    prefetching kept alive at most, per graph kind."""
+    out: dict[str, Any] = {"depth": config.prefetch_depth, "max_bytes": config.max_prefetch_bytes}
+    for record in records:
+        stats = (record.get("passes") or {}).get("manual_bucketing") or {}
+        if record.get("inference") or "prefetch_depths" not in stats:
+            continue
+        # graph breaks: several graphs of one kind, each prefetching within itself
+        kind = out.setdefault(record["graph"], {"depths": [], "peak_bytes": 0})
+        kind["depths"] = kind["depths"] + stats["prefetch_depths"]
+        kind["peak_bytes"] = max(kind["peak_bytes"], stats.get("prefetch_peak_bytes", 0))
+    return out
+
+
 def reshard_total(graphs: list[dict]) -> dict:
     """The reshard-after-forward statistics of every joint graph, added up ({} if none)."""
     if not graphs:
@@ -95,6 +117,7 @@ def reshard_total(graphs: list[dict]) -> dict:
         "resharded": sum(g.get("resharded", 0) for g in graphs),
         "kept_gathered": sum(g.get("kept_gathered", 0) for g in graphs),
         "kept_bucket": "; ".join(dict.fromkeys(kept)) or None,
+        "kept_buckets": list(dict.fromkeys(str(b) for g in graphs for b in g.get("kept_buckets") or [])),
         "tied": [t for g in graphs for t in g.get("tied") or []],
         "graphs": len(graphs),
         "from_cache": all(g.get("from_cache") for g in graphs),
@@ -197,6 +220,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"  {'graph':<{width}} {'all-gathers':>12} {'reduce-scatters':>16} {'all-reduces':>12} {'waits':>10}  passes"
     )
 
+    def scatters(record: dict) -> str:
+        # counted as reduce-scatters (compile.run_passes); "a2a" says they ran as all-to-all
+        if not record or not record["after"].get("reduce_scatter_as_all_to_all"):
+            return _arrow(record, "reduce_scatter")
+        return _arrow(record, "reduce_scatter") + " a2a"
+
     def row(label: str, record: dict) -> str:
         notes = [
             summarize_pass(name, stats)
@@ -206,7 +235,7 @@ def format_report(report: dict[str, Any]) -> str:
         if record.get("from_cache"):
             notes.append("[from FX graph cache]")
         return (
-            f"  {label:<{width}} {_arrow(record, 'all_gather'):>12} {_arrow(record, 'reduce_scatter'):>16} "
+            f"  {label:<{width}} {_arrow(record, 'all_gather'):>12} {scatters(record):>16} "
             f"{_arrow(record, 'all_reduce'):>12} {_arrow(record, 'wait'):>10}  {'; '.join(notes)}"
         )
 
@@ -232,6 +261,23 @@ def format_report(report: dict[str, Any]) -> str:
             f"  predicted {kind} (cost model, {report['device_type']} rates): exposed communication "
             f"{b['exposed_comm_s'] * 1e3:.1f} -> {a['exposed_comm_s'] * 1e3:.1f} ms of {a['comm_s'] * 1e3:.1f} ms"
         )
+    rs = report.get("reduce_scatter") or {}
+    if rs and report["mode"] == "compiled":
+        chosen = rs["impl"] if rs["requested"] == rs["impl"] else f"{rs['requested']} -> {rs['impl']}"
+        lines.append(f"  gradient reduce-scatter: {chosen} ({rs['reason']})")
+    prefetch = report.get("prefetch") or {}
+    shown = [k for k in KINDS if k in prefetch]
+    if shown:
+        budget = prefetch["max_bytes"]
+        parts = [
+            f"{k} depths {' '.join(map(str, prefetch[k]['depths'])) or '-'}, "
+            f"peak {prefetch[k]['peak_bytes'] / 2**20:.1f} MiB gathered ahead"
+            for k in shown
+        ]
+        lines.append(
+            f"  prefetch (depth {prefetch['depth']}, budget "
+            f"{'none' if budget is None else f'{budget / 2**20:.1f} MiB'}): " + "; ".join(parts)
+        )
     cache = report.get("compile_cache") or []
     if cache:
         lines.append("  compile cache: " + _cache_summary(cache))
@@ -240,7 +286,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"  reshard after forward: {reshard.get('resharded', 0)} all-gathers re-gathered in backward, "
             f"{reshard.get('kept_gathered', 0)} kept"
-            + (f" ({reshard['kept_bucket']})" if reshard.get("kept_bucket") else "")
+            + (
+                f" ({'; '.join(reshard['kept_buckets'])}, for prefetch_depth {report['config']['prefetch_depth']})"
+                if len(reshard.get("kept_buckets") or []) > 1
+                else (f" ({reshard['kept_bucket']})" if reshard.get("kept_bucket") else "")
+            )
         )
         for t in reshard.get("tied") or []:
             lines.append(

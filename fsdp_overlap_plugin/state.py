@@ -54,6 +54,7 @@ class OverlapState:
     dynamo_graphs: int = 0  # graphs Dynamo handed to our backend so far
     called: bool = False  # the compiled forward has run once
     graph_id: str | None = None  # the Dynamo graph being compiled now (its fingerprint)
+    graph_kind: str | None = None  # the kind of graph the post-grad passes run on now
     rank: int = 0
     adjustments: list[str] = field(default_factory=list)  # what parallelize changed on the model, and why
     warned: set[str] = field(default_factory=set)  # modules already named in an unbucketed warning
@@ -61,6 +62,8 @@ class OverlapState:
     compile_cache: list[dict] = field(default_factory=list)  # per Dynamo graph: what inductor's caches did
     local_layout: str = ""  # digest of this rank's shard shapes (they differ across ranks when uneven)
     checkpointed: list[str] = field(default_factory=list)  # modules whose forward is recomputed in backward
+    reduce_scatter_impl: str = "native"  # what reduce_scatter_impl resolved to (auto -> native / all_to_all)
+    reduce_scatter_reason: str = ""  # why (accelerators.reduce_scatter_choice)
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph; the same on
@@ -84,7 +87,7 @@ class OverlapState:
         return (
             config.manual_bucketing
             or config.overlap_grad_reduce
-            or config.reduce_scatter_impl != "native"
+            or self.reduce_scatter_impl != "native"
             or self.gather_group is not None
         )
 
@@ -115,6 +118,7 @@ def _pass_uuid(state: OverlapState) -> str:
         "mesh": list(state.mesh_shape),
         "gather_group": state.gather_group,
         "checkpointed": state.checkpointed,
+        "reduce_scatter_impl": state.reduce_scatter_impl,
         "source": _SOURCE_DIGEST,
         "torch": compat.TORCH_VERSION,
     }

@@ -152,6 +152,9 @@ def test_the_wiring_runs_one_list_of_passes_each_where_it_applies():
         "pin_order",
     ]
     eager = state(backend="aot_eager", reduce_scatter_impl="all_to_all")
+    # what runs is what parallelize resolved (reduce_scatter_choice), not the config's word
+    assert names(POST_GRAD_PASSES, "backward", eager)[-1] == "overlap_grad_reduce"
+    eager.reduce_scatter_impl = "all_to_all"
     eager.gather_group = "7"
     assert names(POST_GRAD_PASSES, "forward", eager) == ["gather_group", "manual_bucketing"]
     assert names(POST_GRAD_PASSES, "backward", eager) == [

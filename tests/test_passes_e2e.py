@@ -14,12 +14,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.matrix]  # matrix: on every torch of
 
 ISSUE_PLAN = [["tok_emb", "pos_emb"], "blocks.0", "blocks.1", "blocks.2", "blocks.3", ["norm", "head"]]
 VARIANTS = {
-    "off": {"manual_bucketing": False, "overlap_grad_reduce": False},
+    "off": {"manual_bucketing": False, "overlap_grad_reduce": False, "reduce_scatter_impl": "native"},
     "bucketing": {"manual_bucketing": True, "overlap_grad_reduce": False},
     "grad_overlap": {"manual_bucketing": False, "overlap_grad_reduce": True},
-    "both": {},
+    "both": {},  # the defaults: on 2 gloo ranks reduce_scatter_impl auto runs all-to-all
+    "both+native": {"reduce_scatter_impl": "native"},
     "both+gather_group": {"separate_gather_group": True},
-    "both+all_to_all": {"reduce_scatter_impl": "all_to_all"},
+    "prefetch_2": {"prefetch_depth": 2},
+    # a budget of two blocks (195.25 KiB each): depth 2 only where the window fits
+    "prefetch_2+budget": {"prefetch_depth": 2, "max_prefetch_bytes": 2 * 199_936},
 }
 
 
@@ -47,8 +50,27 @@ def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
     assert results["off"]["report"]["forward"] is None  # no pass ran, nothing recorded
     gathered = results["both+gather_group"]["report"]["forward"]["passes"]["gather_group"]["moved"]
     assert gathered == 53  # every parameter all-gather moved to the second communicator
-    a2a = results["both+all_to_all"]["report"]["backward"]
-    assert a2a["after"]["reduce_scatter"] == 0 and a2a["after"]["all_to_all"] == 6
+    # auto chose all-to-all on 2 gloo ranks, and said why; native kept gloo's reduce-scatter
+    assert both["reduce_scatter"]["requested"] == "auto" and both["reduce_scatter"]["impl"] == "all_to_all"
+    assert "bitwise equal on 2 ranks" in both["reduce_scatter"]["reason"]
+    assert both["backward"]["after"]["reduce_scatter_as_all_to_all"] == 6 and both["backward"]["after"]["all_to_all"] == 0
+    native = results["both+native"]["report"]
+    assert native["reduce_scatter"]["impl"] == "native" and "all_to_all" not in native["backward"]["passes"]
+    assert "reduce_scatter_as_all_to_all" not in native["backward"]["after"]
+    # prefetch depth: forward buckets in plan order, backward in reverse (its first bucket
+    # is the one the forward kept gathered; the embeddings need no weights in backward)
+    assert both["prefetch"]["forward"]["depths"] == [1, 1, 1, 1, 1, 1]
+    deep = results["prefetch_2"]["report"]["prefetch"]
+    assert deep["forward"]["depths"] == [1, 2, 2, 2, 2, 2] and deep["backward"]["depths"] == [1, 1, 2]
+    # the forward keeps its last 2 buckets gathered: blocks 2, 1, 0 are re-gathered
+    assert len(results["prefetch_2"]["report"]["reshard"]["kept_buckets"]) == 2
+    assert deep["forward"]["peak_bytes"] > both["prefetch"]["forward"]["peak_bytes"]
+    budget = results["prefetch_2+budget"]["report"]["prefetch"]
+    assert budget["forward"]["peak_bytes"] <= 2 * 199_936 < deep["forward"]["peak_bytes"]
+    assert budget["backward"]["peak_bytes"] <= 2 * 199_936
+    assert budget["forward"]["depths"] == [1, 2, 1, 1, 1, 1]
+    # head + blocks.3 kept (265,984 bytes); the first re-gather does not fit beside them
+    assert budget["backward"]["depths"] == [0, 1, 1]
 
 
 def test_inductor_losses_equal_within_1e6():

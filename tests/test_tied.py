@@ -46,10 +46,11 @@ def _backward(world: int = 2, mesh: dict | None = None, **config) -> tuple[dict,
 
 
 def _reduce_scatter_bytes(report: dict) -> dict[int | None, int]:
-    """Reduce-scatter input bytes per bucket in the backward graph after the passes."""
+    """Reduce-scatter input bytes per bucket in the backward graph after the passes (on 2
+    gloo ranks reduce_scatter_impl: auto runs them as all-to-alls, with the same input)."""
     out: dict[int | None, int] = {}
     for event in report["backward"]["schedule"]["after"]:
-        if event["op"] == "reduce_scatter":
+        if event["op"] in ("reduce_scatter", "all_to_all"):
             out[event["bucket"]] = out.get(event["bucket"], 0) + event["bytes"]
     return out
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..config import OverlapConfig, OverlapConfigError
 from ..parallelize import unbucketed_parameters
+from ..passes.prefetch import kept_buckets, prefetch_plan
 from ..plan import PlanWarning, auto_plan_info, gather_bytes
 from ..preflight import preflight
 from .text import format_bytes, format_count
@@ -132,15 +133,31 @@ def warn_unbucketed(model: nn.Module, unbucketed: list[str]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ memory
-def _memory(model: nn.Module, sizes: list[int], mesh: tuple[int, int] | None, world: int | None) -> dict[str, Any]:
-    pairs = [(sizes[i] + sizes[i + 1], i) for i in range(len(sizes) - 1)]
-    # the first pair wins a tie, so the answer does not move when identical blocks follow
-    peak, first = max(pairs, key=lambda t: (t[0], -t[1])) if pairs else ((sizes[0], 0) if sizes else (0, 0))
+def _memory(
+    model: nn.Module, sizes: list[int], mesh: tuple[int, int] | None, world: int | None, config: OverlapConfig
+) -> dict[str, Any]:
+    # the pass's own rule (passes/prefetch.py) on the plan's gathered sizes, forward (plan
+    # order) and backward (reverse); the first window wins a tie, so the answer does not
+    # move when identical blocks follow
+    depth, budget = config.prefetch_depth, config.max_prefetch_bytes
+    forward = prefetch_plan(sizes, depth, budget)
+    # backward: the buckets the forward kept gathered are computed first, the others are
+    # re-gathered in reverse (the reshard pass keeps the last prefetch_depth that fit)
+    kept = kept_buckets(sizes, depth, budget) if config.reshard_after_forward and not config.reshard_last_bucket else 0
+    regathered = sizes[: len(sizes) - kept][::-1]
+    backward = prefetch_plan(regathered, depth, budget, (kept, sum(sizes[len(sizes) - kept :])))
+    peak, window = forward.peak_bytes, forward.peak_buckets
+    if backward.peak_bytes > peak:
+        top = backward.peak_at_top
+        window = sorted(len(regathered) - 1 - i for i in backward.peak_buckets)
+        peak, window = backward.peak_bytes, window + (list(range(len(sizes) - kept, len(sizes))) if top else [])
     total_storage = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     replicate, shard = mesh if mesh is not None else (None, None)
     return {
         "prefetch_peak_bytes": peak,
-        "prefetch_peak_buckets": [first, first + 1] if pairs else [first],
+        "prefetch_peak_buckets": window,
+        "prefetch_depths": {"forward": forward.depths, "backward": backward.depths},
+        "kept_for_backward": list(range(len(sizes) - kept, len(sizes))),
         "all_gathered_bytes": sum(sizes),
         "sharded_storage_bytes_per_rank": -(-total_storage // shard) if shard else None,
         "shard_size": shard,
@@ -195,7 +212,7 @@ def analyze(
         },
         "activation_checkpointing": checked.checkpointed,
         "unbucketed": unbucketed,
-        "memory": _memory(model, [r["gather_bytes"] for r in rows], checked.mesh, world),
+        "memory": _memory(model, [r["gather_bytes"] for r in rows], checked.mesh, world, config),
         "warnings": found,
     }
 

@@ -24,6 +24,8 @@ from .text import (
     memory_lines,
     model_lines,
     plural,
+    reduce_scatter_choices,
+    reduce_scatter_lines,
     tree_lines,
     warning_lines,
 )
@@ -142,6 +144,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
         "activation_checkpointing": result["activation_checkpointing"],
         "unbucketed": result["unbucketed"],
         "memory": result["memory"],
+        "reduce_scatter": reduce_scatter_choices(config, result["memory"]["shard_size"]),
         "warnings": result["warnings"],
     }
     lines += model_lines(info) + dtype_lines(config, info)
@@ -157,6 +160,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
             f"{', '.join(result['activation_checkpointing'])}"
         )
     lines += memory_lines(result, config)
+    lines += reduce_scatter_lines(out["reduce_scatter"], config)
     lines += warning_lines(result)
     passes = [name for name in ("manual_bucketing", "overlap_grad_reduce") if getattr(config, name)]
     lines.append(

@@ -16,6 +16,7 @@ __all__ = [
     "format_count",
     "format_flops",
     "memory_lines",
+    "reduce_scatter_lines",
     "model_lines",
     "plural",
     "table",
@@ -185,17 +186,58 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
             "parameters per rank (sharded)"
         )
     if config.reshard_after_forward:
-        pair = "-".join(str(i) for i in m["prefetch_peak_buckets"])
+        window = "-".join(str(i) for i in m["prefetch_peak_buckets"])
+        budget = config.max_prefetch_bytes
+        held = len(m["prefetch_peak_buckets"])
         out.append(
-            f"{'memory' if not out else '':<8}prefetch holds at most 2 buckets gathered at once: peak "
-            f"{format_bytes(m['prefetch_peak_bytes'])} (buckets {pair}), unsharded, in param_dtype"
+            f"{'memory' if not out else '':<8}prefetch (depth {config.prefetch_depth}, budget "
+            f"{'none' if budget is None else format_bytes(budget)}) holds at most {held} "
+            f"bucket{'s' if held != 1 else ''} gathered at once: peak "
+            f"{format_bytes(m['prefetch_peak_bytes'])} (buckets {window}), unsharded, in param_dtype"
         )
+        if config.prefetch_depth > 1 or budget is not None:
+            kept = m["kept_for_backward"]
+            out.append(
+                f"{'':<8}buckets ahead, per bucket as consumed: "
+                + "; ".join(f"{k} {' '.join(map(str, d)) or '-'}" for k, d in m["prefetch_depths"].items())
+                + (f" (after bucket{'s' if len(kept) != 1 else ''} {'-'.join(map(str, kept))}, kept gathered)" if kept else "")
+            )
     else:
         out.append(
             f"{'memory' if not out else '':<8}reshard_after_forward is off: after forward every bucket stays "
             f"gathered, {format_bytes(m['all_gathered_bytes'])} unsharded"
         )
     return out
+
+
+def reduce_scatter_choices(config: OverlapConfig, shard_size: int | None) -> dict[str, list[str]]:
+    """Per backend, what ``reduce_scatter_impl`` resolves to (``reduce_scatter_choice``, the
+    function ``parallelize`` calls) for ``shard_size`` ranks per shard group: ``{backend:
+    [impl, reason]}``; with no world size given, gloo twice (2 ranks per shard group, and
+    more)."""
+    from ..accelerators import BACKENDS, reduce_scatter_choice
+
+    out = {}
+    for backend in BACKENDS.values():
+        sizes = {backend: shard_size or 2}
+        if shard_size is None and backend == "gloo":
+            sizes = {"gloo (2 ranks per shard group)": 2, "gloo (more ranks)": 4}
+        for label, size in sizes.items():
+            out[label] = list(reduce_scatter_choice(config.reduce_scatter_impl, backend, size, compiled=config.compile))
+    return out
+
+
+def reduce_scatter_lines(choices: dict[str, list[str]], config: OverlapConfig) -> list[str]:
+    if not config.compile:
+        return []
+    by_impl: dict[str, list[str]] = {}
+    for label, (impl, _) in choices.items():
+        by_impl.setdefault(impl, []).append(label)
+    said = "; ".join(f"{impl} on {' / '.join(labels)}" for impl, labels in by_impl.items())
+    lines = [f"reduce-scatter  reduce_scatter_impl: {config.reduce_scatter_impl} -> {said}"]
+    if config.reduce_scatter_impl == "auto":
+        lines += [f"{'':<16}{label}: {reason}" for label, (_, reason) in choices.items() if label.startswith("gloo")]
+    return lines
 
 
 def warning_lines(result: dict[str, Any]) -> list[str]:

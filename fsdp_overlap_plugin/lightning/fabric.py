@@ -92,6 +92,8 @@ class FabricStrategyMixin(StrategyBase):
         activation_checkpointing_policy: str | None = None,
         separate_gather_group: bool | None = None,
         reduce_scatter_impl: str | None = None,
+        prefetch_depth: int | None = None,
+        max_prefetch_bytes: int | str | None = None,
         rank_check: str | None = None,
         rank_check_timeout: float | None = None,
         on_compile_error: str | None = None,

@@ -60,6 +60,7 @@ from .graph import (
 from .merge import Retired, bucket_key, graph_fake_mode, merge_all_gathers, merge_reduce_scatters
 from .order import Positions, repair_order
 from .plan_index import BucketIndex
+from .prefetch import PrefetchPlan, prefetch_plan
 
 __all__ = ["manual_bucketing", "use_gather_group"]
 
@@ -98,6 +99,9 @@ def manual_bucketing(
     module_bucket_plans: list,
     *,
     insert_overlap_deps: bool = False,
+    prefetch_depth: int = 1,
+    max_prefetch_bytes: int | None = None,
+    kept: tuple[int, int] = (0, 0),
 ) -> dict:
     """Bucket and reorder the FSDP collectives of ``gm`` per ``module_bucket_plans``.
 
@@ -107,6 +111,10 @@ def manual_bucketing(
             compiled root; entries must not share modules (``OverlapConfigError``).
         insert_overlap_deps: wrap waits in ``control_deps`` so a later scheduler keeps the
             prefetch order (for inductor; not needed when the graph runs as it is).
+        prefetch_depth, max_prefetch_bytes: how many buckets ahead all-gathers launch,
+            within a budget of gathered bytes (``passes/prefetch.py``).
+        kept: ``(buckets, bytes)`` the forward kept gathered, for a backward graph (they
+            count at its top).
 
     Returns statistics: collectives before and after, merges, moves
     (``prefetched``, ``deferred_rs_waits``, ``gathers_first``), what stayed unbucketed
@@ -166,7 +174,8 @@ def manual_bucketing(
     pos = Positions(graph)
     deps: dict[fx.Node, list[fx.Node]] = {}
     _place_gather_waits(gather_units, pos)
-    stats["prefetched"] = _prefetch(gather_units, pos, deps)
+    stats["prefetched"], plan = _prefetch(gather_units, pos, deps, prefetch_depth, max_prefetch_bytes, kept)
+    stats["prefetch_depths"], stats["prefetch_peak_bytes"] = plan.depths, plan.peak_bytes
     stats["deferred_rs_waits"], reordered = _defer_scatter_waits(scatter_units, pos, deps)
     stats["gathers_first"] = _gathers_before_scatters(gather_units, pos)
     if reordered:
@@ -342,30 +351,48 @@ def _place_gather_waits(units: list[_Unit], pos: Positions) -> None:
             pos.move_before(side, min(consumers, key=pos.__getitem__))
 
 
-def _prefetch(units: list[_Unit], pos: Positions, deps: dict) -> int:
-    """Launch unit i+1's all-gather just before unit i's wait (in consumption order).
+def _prefetch(
+    units: list[_Unit], pos: Positions, deps: dict, depth: int, budget: int | None, kept: tuple[int, int]
+) -> tuple[int, PrefetchPlan]:
+    """Launch each unit's all-gather ``depth`` units ahead (in consumption order) where the
+    budget allows (``prefetch_plan``): just before the wait of the unit ``depth`` earlier,
+    or at the top of the graph. With depth 1: unit i+1's all-gather just before unit i's
+    wait.
 
     The first unit launches at the top of the graph: in backward, the bucket computed
     before it is the one the forward kept gathered, and its compute is what hides this
     first re-gather.
     """
     order = sorted(units, key=lambda u: pos[u.wait])
+    plan = prefetch_plan([_gathered_bytes(u) for u in order], depth, budget, kept)
     moved = 0
-    if order:
-        inputs = pos.graph.find_nodes(op="placeholder")
-        if inputs:
-            last_input = inputs[-1]
-            first = order[0].start
-            if pos.move_after(pos.ancestors_after(first, pos[last_input]), last_input):
-                moved += 1
-    for current, nxt in zip(order, order[1:]):
-        if pos[nxt.start] < pos[current.wait]:
+    inputs = pos.graph.find_nodes(op="placeholder")
+    top = inputs[-1] if inputs else None  # launches at the top go after the inputs, in order
+    for k, (unit, ahead) in enumerate(zip(order, plan.depths)):
+        if ahead == 0:
+            continue  # over the budget: launched where the graph has it
+        point = k - ahead
+        if point < 0:
+            if top is not None and pos[unit.start] > pos[top]:
+                if pos.move_after(pos.ancestors_after(unit.start, pos[top]), top):
+                    moved += 1
+                top = unit.start
+            continue
+        target = order[point].wait
+        if pos[unit.start] < pos[target]:
             continue  # already launched early enough
-        chain = pos.ancestors_after(nxt.start, pos[current.wait])
-        if pos.move_before(chain, current.wait):
+        chain = pos.ancestors_after(unit.start, pos[target])
+        if pos.move_before(chain, target):
             moved += 1
-        deps.setdefault(current.wait, []).append(nxt.start)
-    return moved
+        deps.setdefault(target, []).append(unit.start)
+    return moved, plan
+
+
+def _gathered_bytes(unit: _Unit) -> int:
+    val = unit.wait.meta.get("val")
+    if val is None:
+        return 0
+    return val.numel() * val.element_size()
 
 
 def _defer_scatter_waits(units: list[_Unit], pos: Positions, deps: dict) -> tuple[int, bool]:

@@ -15,7 +15,9 @@ chain is tagged.
 Policy: with ``reshard_after_forward`` every bucket reshards, except the bucket that
 the forward gathers last (unless ``reshard_last_bucket``): backward starts with exactly
 those parameters, and re-gathering them at the graph boundary cannot be hidden behind
-anything. FSDP2 keeps its root unsharded for the same reason. When graph breaks split the
+anything. FSDP2 keeps its root unsharded for the same reason. With ``prefetch_depth`` d
+the last d buckets stay (within ``max_prefetch_bytes``), so the backward's first
+re-gathers run while it computes d buckets instead of one. When graph breaks split the
 forward, each graph is annotated on its own and cannot know whether it is the last one:
 ``keepable`` then names the one bucket that may stay gathered (the plan's last bucket),
 so every other graph reshards all its buckets.
@@ -84,20 +86,28 @@ def annotate_reshard(
     reshard_after_forward: bool = True,
     reshard_last_bucket: bool = False,
     keepable: int | None = None,
+    keep: int = 1,
+    keep_budget: int | None = None,
 ) -> dict:
     """Tag each FSDP all-gather chain of the joint graph to be recomputed or saved.
 
     ``keepable``: if given, the last-gathered bucket stays gathered only if it is this
     plan index (see the module doc); None keeps whichever bucket is gathered last.
-    Returns statistics: how many all-gathers reshard, how many stay gathered, and which
-    bucket was kept (its plan index, or the module path of an unbucketed gather).
+    ``keep``: with one graph (``keepable`` None), how many of the last-gathered buckets
+    stay gathered into backward (``prefetch_depth``), as long as their gathered bytes fit
+    ``keep_budget`` (``max_prefetch_bytes``); the last one always stays. Backward then
+    starts with that many buckets to compute while its first re-gathers run, instead of
+    one. Returns statistics: how many all-gathers reshard, how many stay gathered, and
+    which buckets were kept (plan index, or the module path of an unbucketed gather).
     """
     index = BucketIndex(buckets)
     gathers = [n for n in gm.graph.nodes if is_fsdp_all_gather(n)]
     keys = [index.key(owner_module(n)) for n in gathers]
-    kept_key = None
+    kept_keys: list = []
+    kept_bytes = 0
     if reshard_after_forward and not reshard_last_bucket and gathers and keepable in (None, keys[-1]):
-        kept_key = keys[-1]
+        kept_keys, kept_bytes = _last_buckets(gathers, keys, keep if keepable is None else 1, keep_budget)
+    kept_key = kept_keys[0] if kept_keys else None
     # A tied parameter is gathered once per read here; the partitioner's CSE later merges
     # the gathers into one, which keeps the first one's tag. So one decision per
     # parameter (per shard it gathers): kept if any read is in the kept bucket (the
@@ -108,7 +118,7 @@ def annotate_reshard(
     resharded = kept = 0
     tied = []
     for shard, group in reads.items():
-        reshard = reshard_after_forward and all(key != kept_key for _, key in group)
+        reshard = reshard_after_forward and all(key not in kept_keys for _, key in group)
         policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
         for node, _ in group:
             for member in _gather_chain(node):
@@ -125,6 +135,27 @@ def annotate_reshard(
         "resharded": resharded,
         "kept_gathered": kept,
         "kept_bucket": index.describe(kept_key) if kept_key is not None else None,
+        "kept_buckets": [index.describe(k) for k in kept_keys],
+        "kept_bytes": kept_bytes,
         "tied": tied,
     }
     return stats
+
+
+def _last_buckets(gathers: list[fx.Node], keys: list, keep: int, budget: int | None) -> tuple[list, int]:
+    """The keys of the last ``keep`` buckets gathered (last first) whose gathered bytes
+    together fit ``budget``, the very last one always; and their bytes
+    (``passes.prefetch.kept_buckets`` is the same rule on plan sizes)."""
+    held: dict = {}
+    for node, key in zip(gathers, keys):
+        wait = wait_of(node)
+        val = wait.meta.get("val") if wait is not None else None
+        held[key] = held.get(key, 0) + (val.numel() * val.element_size() if val is not None else 0)
+    order = list(dict.fromkeys(reversed(keys)))
+    kept, total = order[:1], held[order[0]]
+    for key in order[1:keep]:
+        if budget is not None and total + held[key] > budget:
+            break
+        kept.append(key)
+        total += held[key]
+    return kept, total
