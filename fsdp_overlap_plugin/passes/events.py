@@ -7,6 +7,7 @@ each node's fake ``meta["val"]``).
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -40,6 +41,19 @@ def _tensor_bytes(val: Any) -> int:
     return 0
 
 
+def _is_attention(target: Any) -> bool:
+    try:
+        return _is_attention_cached(target)
+    except TypeError:  # an unhashable callable
+        return "scaled_dot_product" in str(target)
+
+
+@functools.cache
+def _is_attention_cached(target: Any) -> bool:
+    # str() of an op overload builds its name each time: once per target, not per node
+    return "scaled_dot_product" in str(target)
+
+
 def _flops(node: fx.Node) -> int:
     """Rough FLOPs of a node: 2*M*N*K for matmuls, 4*B*H*L*S*D for attention, one per
     output element otherwise. Good enough to draw and compare schedules."""
@@ -61,7 +75,7 @@ def _flops(node: fx.Node) -> int:
         if target is aten.bmm.default:
             (b, m, k), (_, _, n) = shape(0), shape(1)
             return 2 * b * m * n * k
-        if "scaled_dot_product" in str(target):
+        if _is_attention(target):
             b, h, lq, d = shape(0)
             return 4 * b * h * lq * shape(1)[2] * d
     except ValueError:

@@ -53,11 +53,32 @@ _COMM_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _ALL_GATHERS = (C10D.all_gather_into_tensor.default, C10D.all_gather_into_tensor_out.default)
 
 
+# Every predicate below is asked of every node by several passes (and twice more by the
+# compile wiring's schedule events and collective counts), so what depends only on a
+# node's target is decided once per target, not once per node: for an ATen overload that
+# is a string and schema inspection, for ``control_deps`` an import lookup. The tables are
+# keyed by ``id(target)`` and hold the target itself (so the id cannot be reused): an
+# ``OpOverload``'s ``__hash__`` is Python code, which a ``functools.cache`` would call on
+# every lookup.
+
+
+def _per_target(table: dict[int, tuple[Any, Any]], decide: Any, target: Any) -> Any:
+    entry = table.get(id(target))
+    if entry is None:
+        entry = table[id(target)] = (target, decide(target))
+    return entry[1]
+
+
+@functools.cache
+def _control_deps_op() -> Any:
+    return compat.control_deps_op()
+
+
 def is_control_deps(node: fx.Node) -> bool:
     """A ``control_deps`` wrapper (inserted to pin an order) around one operation."""
     if node.op != "call_function":
         return False
-    control_deps = compat.control_deps_op()
+    control_deps = _control_deps_op()
     return control_deps is not None and node.target is control_deps
 
 
@@ -77,7 +98,9 @@ def effective_target(node: fx.Node) -> Any:
     """The operation a node runs, looking through a ``control_deps`` wrapper."""
     if node.op != "call_function":
         return None
-    return _wrapped_target(node) if is_control_deps(node) else node.target
+    target = node.target
+    control_deps = _control_deps_op()
+    return _wrapped_target(node) if control_deps is not None and target is control_deps else target
 
 
 def node_args(node: fx.Node) -> tuple:
@@ -91,27 +114,47 @@ def _namespace(target: Any) -> str:
     return getattr(target, "namespace", "") or ""
 
 
+# what a target is, for communication: not communication, a wait, or a collective launch
+_NOT_COMM, _WAIT, _LAUNCH = 0, 1, 2
+
+
+def _classify(target: Any) -> int:
+    if _namespace(target) not in _COMM_NAMESPACES:
+        return _NOT_COMM
+    return _WAIT if "wait_tensor" in str(target) else _LAUNCH
+
+
+_COMM_KINDS: dict[int, tuple[Any, int]] = {}
+
+
+def _comm_kind(target: Any) -> int:
+    return _per_target(_COMM_KINDS, _classify, target)
+
+
 def is_wait(node: fx.Node) -> bool:
-    target = effective_target(node)
-    return target is not None and _namespace(target) in _COMM_NAMESPACES and "wait_tensor" in str(target)
+    return _comm_kind(effective_target(node)) == _WAIT
 
 
 def is_collective(node: fx.Node) -> bool:
     """A collective launch (all-gather, reduce-scatter, all-reduce, ...), not a wait."""
-    target = effective_target(node)
-    return target is not None and _namespace(target) in _COMM_NAMESPACES and not is_wait(node)
+    return _comm_kind(effective_target(node)) == _LAUNCH
+
+
+_REDUCE_SCATTER = C10D.reduce_scatter_tensor.default
+_ALL_REDUCE = C10D.all_reduce.default
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    return effective_target(node) in _ALL_GATHERS
+    target = effective_target(node)
+    return target is _ALL_GATHERS[0] or target is _ALL_GATHERS[1]
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
-    return effective_target(node) is C10D.reduce_scatter_tensor.default
+    return effective_target(node) is _REDUCE_SCATTER
 
 
 def is_all_reduce(node: fx.Node) -> bool:
-    return effective_target(node) is C10D.all_reduce.default
+    return effective_target(node) is _ALL_REDUCE
 
 
 def collective_of_wait(wait: fx.Node) -> fx.Node | None:
@@ -173,11 +216,19 @@ def is_view(node: fx.Node) -> bool:
         src = node.args[0]
         return isinstance(src, fx.Node) and is_view(src)
     if isinstance(target, compat.OpOverload):
-        if getattr(target, "is_view", False):
-            return True
-        returns = target._schema.returns
-        return bool(returns) and returns[0].alias_info is not None and not _mutates(target)
+        return _per_target(_VIEWS, _overload_is_view, target)
     return False
+
+
+_VIEWS: dict[int, tuple[Any, bool]] = {}
+
+
+def _overload_is_view(target: compat.OpOverload) -> bool:
+    # the op's schema decides, so once per op
+    if getattr(target, "is_view", False):
+        return True
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not _mutates(target)
 
 
 # Copies that keep every element where it is (a view does too, without copying).
@@ -203,10 +254,14 @@ _PREPARATION_OPS = {
 }
 
 
+# by identity (an OpOverload's hash is Python code): the ops above are alive as long as the set
+_PREPARATION_IDS = frozenset(id(op) for op in _PREPARATION_OPS)
+
+
 def is_preparation_op(node: fx.Node) -> bool:
     """Data movement that only lays out a collective's input: views, padding,
     concatenation (bucket copy-in), dtype casts, copies to contiguous memory."""
-    return node.op == "call_function" and (is_view(node) or node.target in _PREPARATION_OPS)
+    return node.op == "call_function" and (is_view(node) or id(node.target) in _PREPARATION_IDS)
 
 
 def _mutates(target: Any) -> bool:
@@ -233,7 +288,7 @@ def is_barrier(node: fx.Node) -> bool:
         return True  # an order someone pinned on purpose
     target = node.target
     if isinstance(target, compat.OpOverload):
-        return _overload_is_barrier(target)
+        return _per_target(_BARRIERS, _overload_is_barrier, target)
     if target is operator.getitem:
         return False
     try:
@@ -242,7 +297,9 @@ def is_barrier(node: fx.Node) -> bool:
         return True
 
 
-@functools.cache
+_BARRIERS: dict[int, tuple[Any, bool]] = {}
+
+
 def _overload_is_barrier(target: compat.OpOverload) -> bool:
     # For an ATen overload, mutation and side effects depend on the op alone (its
     # schema and registrations), so decide once per op, not once per node. Random ops
@@ -266,6 +323,7 @@ _ITEM = re.compile(r"""\[(?:'([^']*)'|"([^"]*)"|(\d+))\]""")
 _CLEAN = re.compile(r"^[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*$|^$")
 
 
+@functools.lru_cache(maxsize=65536)
 def clean_module_path(stack_key: str) -> str | None:
     """``L['self'].blocks.0.ln`` / ``L['args'][0]._modules['blocks']['0']`` -> ``blocks.0.ln``.
 

@@ -45,11 +45,13 @@ _ANCHOR_NAMES = (
     "_scaled_dot_product_cudnn_attention",
 )
 _ANCHORS = {getattr(aten, name).default for name in _ANCHOR_NAMES if hasattr(aten, name)}
+# by identity: an OpOverload's hash is Python code, and this is asked of every node
+_ANCHOR_IDS = frozenset(id(op) for op in _ANCHORS)
 
 
 def is_anchor(node: fx.Node) -> bool:
     """A compute node inductor emits as its own kernel (never fused away)."""
-    return node.op == "call_function" and node.target in _ANCHORS
+    return node.op == "call_function" and id(node.target) in _ANCHOR_IDS
 
 
 def pin_collective_order(gm: fx.GraphModule) -> dict:
@@ -58,14 +60,21 @@ def pin_collective_order(gm: fx.GraphModule) -> dict:
     caller regenerates ``gm.forward``."""
     graph = gm.graph
     nodes = list(graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    anchors = [i for i, n in enumerate(nodes) if is_anchor(n)]
-    waits = [i for i, n in enumerate(nodes) if is_wait(n)]
+    index: dict[fx.Node, int] = {}
+    anchors: list[int] = []
+    waits: list[int] = []
+    launches: list[fx.Node] = []
+    for i, node in enumerate(nodes):  # one walk: each node is classified once
+        index[node] = i
+        if is_anchor(node):
+            anchors.append(i)
+        elif is_wait(node):
+            waits.append(i)
+        elif is_collective(node):
+            launches.append(node)
     deps: dict[fx.Node, dict[fx.Node, None]] = defaultdict(dict)  # dict: an ordered set
     windows = 0
-    for start in nodes:
-        if not is_collective(start):
-            continue
+    for start in launches:
         wait = wait_of(start)
         if wait is None:
             continue
