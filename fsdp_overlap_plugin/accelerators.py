@@ -103,7 +103,9 @@ def backend_for(device_type: str) -> str:
 GLOO_ALL_TO_ALL_BITWISE = (2,)
 
 
-def reduce_scatter_choice(requested: str, backend: str, shard_size: int | None, *, compiled: bool = True) -> tuple[str, str]:
+def reduce_scatter_choice(
+    requested: str, backend: str, shard_size: int | None, *, compiled: bool = True
+) -> tuple[str, str]:
     """The gradient reduce-scatter implementation ``reduce_scatter_impl: requested`` runs on
     ``backend`` with ``shard_size`` ranks per shard group, and why: ``(impl, reason)``.
 

@@ -173,12 +173,15 @@ def _apply(entries: tuple[PassEntry, ...], gm: fx.GraphModule, kind: str, state:
     return {entry.name: entry.pass_fn(gm, state) for entry in entries if entry.applies_to(kind, state)}
 
 
-def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference: bool = False) -> dict:
+def run_passes(
+    gm: fx.GraphModule, kind: str, state: OverlapState, *, inference: bool = False, recompile: bool = True
+) -> dict:
     """Run ``POST_GRAD_PASSES`` on one compiled graph and record what they did.
 
     ``kind`` is "forward" or "backward"; an inference graph (no backward, e.g. under
     ``no_grad``) is a forward with ``inference=True``. The passes only return
-    statistics; recording them, recompiling and linting the graph happen here, once.
+    statistics; recording them, recompiling (unless ``recompile=False``: the caller
+    regenerates the code itself) and linting the graph happen here, once.
     """
     record: dict[str, Any] = {
         "graph": kind,
@@ -205,7 +208,11 @@ def run_passes(gm: fx.GraphModule, kind: str, state: OverlapState, *, inference:
             UnbucketedWarning,
             stacklevel=2,
         )
-    gm.recompile()  # once, after all passes (no pass regenerates the code itself)
+    if recompile:
+        # once, after all passes (no pass regenerates the code itself); under inductor the
+        # caller says no: inductor's post_grad_passes recompiles the graph itself after its
+        # custom passes (torch 2.11 to 2.15), and half of this function's time was this
+        gm.recompile()
     record["after"] = collective_counts(gm.graph)
     as_all_to_all = (record["passes"].get("all_to_all") or {}).get("rewritten", 0)
     if as_all_to_all:
@@ -416,7 +423,8 @@ def _cache_use(index: int, graph_id: str, before: dict[str, int], after: dict[st
     }
 
 
-_SIZED = ("all_gather", "reduce_scatter")
+# shard-group collectives, whose sizes must agree (a reduce-scatter run as all-to-all too)
+_SIZED = ("all_gather", "reduce_scatter", "all_to_all")
 
 
 def _check_same_collectives(agreement: Any, records: list[dict], index: int, mode: str) -> None:
@@ -428,8 +436,8 @@ def _check_same_collectives(agreement: Any, records: list[dict], index: int, mod
     stopped here at the first step instead of in a collective."""
     from .ranks import RankMismatchError
 
-    # in graph order: kind, and the bytes of shard-group collectives (all-gathers and
-    # reduce-scatters move padded, equal sizes on every rank; a replica all-reduce moves
+    # in graph order: kind, and the bytes of shard-group collectives (all-gathers,
+    # reduce-scatters and their all-to-all form move padded, equal sizes on every rank; a replica all-reduce moves
     # this rank's shard, whose size legitimately differs between shard positions)
     entries = [
         [f"{r['graph']} graph: {e['op']}" + (f" of {e['bytes']} bytes" if e["op"] in _SIZED else ""), ""]

@@ -36,7 +36,8 @@ class OverlapGraphPass(_InferenceAware):
             # model with nothing requiring grad is then recorded as a training forward
             is_inference = not _TOLD_INFERENCE and _compiled_without_grad(self.state, graph)
         kind = "forward" if is_inference else graph_kind(graph)
-        self.run_passes(gm, kind, self.state, inference=is_inference)
+        # inductor's post_grad_passes recompiles and lints the graph after its custom passes
+        self.run_passes(gm, kind, self.state, inference=is_inference, recompile=False)
 
     def uuid(self) -> str:
         return "fsdp-overlap-post-grad-" + self.state.cache_key()

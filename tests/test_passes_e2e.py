@@ -53,7 +53,9 @@ def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
     # auto chose all-to-all on 2 gloo ranks, and said why; native kept gloo's reduce-scatter
     assert both["reduce_scatter"]["requested"] == "auto" and both["reduce_scatter"]["impl"] == "all_to_all"
     assert "bitwise equal on 2 ranks" in both["reduce_scatter"]["reason"]
-    assert both["backward"]["after"]["reduce_scatter_as_all_to_all"] == 6 and both["backward"]["after"]["all_to_all"] == 0
+    assert (
+        both["backward"]["after"]["reduce_scatter_as_all_to_all"] == 6 and both["backward"]["after"]["all_to_all"] == 0
+    )
     native = results["both+native"]["report"]
     assert native["reduce_scatter"]["impl"] == "native" and "all_to_all" not in native["backward"]["passes"]
     assert "reduce_scatter_as_all_to_all" not in native["backward"]["after"]

@@ -91,13 +91,17 @@ def _report(world: int, **config) -> dict:
         return fo.schedule_report(model)
 
 
-@pytest.mark.parametrize(("world", "mesh", "impl"), [(2, None, "all_to_all"), (4, None, "native"), (4, {"replicate": 2}, "all_to_all")])
+@pytest.mark.parametrize(
+    ("world", "mesh", "impl"), [(2, None, "all_to_all"), (4, None, "native"), (4, {"replicate": 2}, "all_to_all")]
+)
 def test_parallelize_resolves_auto_per_shard_group(world, mesh, impl):
     report = _report(world, **({"mesh": mesh} if mesh else {}))
     assert report["reduce_scatter"]["requested"] == "auto" and report["reduce_scatter"]["impl"] == impl
     backward = report["backward"]
     assert ("all_to_all" in backward["passes"]) == (impl == "all_to_all")
-    assert backward["after"].get("reduce_scatter_as_all_to_all", 0) == (backward["after"]["reduce_scatter"] if impl == "all_to_all" else 0)
+    assert backward["after"].get("reduce_scatter_as_all_to_all", 0) == (
+        backward["after"]["reduce_scatter"] if impl == "all_to_all" else 0
+    )
     text = fo.format_report(report)
     assert f"gradient reduce-scatter: auto -> {impl} (" in text
     if impl == "all_to_all":
@@ -108,7 +112,9 @@ def test_check_says_what_auto_picks(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text("reduce_scatter_impl: auto\n")
     for world, gloo in ((2, "all_to_all"), (4, "native")):
-        code = main(["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", str(world), "--json"])
+        code = main(
+            ["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", str(world), "--json"]
+        )
         out = json.loads(capsys.readouterr().out)
         assert code == 0 and out["reduce_scatter"]["gloo"][0] == gloo and out["reduce_scatter"]["nccl"][0] == "native"
     main(["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", "2"])

@@ -200,7 +200,11 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
             out.append(
                 f"{'':<8}buckets ahead, per bucket as consumed: "
                 + "; ".join(f"{k} {' '.join(map(str, d)) or '-'}" for k, d in m["prefetch_depths"].items())
-                + (f" (after bucket{'s' if len(kept) != 1 else ''} {'-'.join(map(str, kept))}, kept gathered)" if kept else "")
+                + (
+                    f" (after bucket{'s' if len(kept) != 1 else ''} {'-'.join(map(str, kept))}, kept gathered)"
+                    if kept
+                    else ""
+                )
             )
     else:
         out.append(
