@@ -2,28 +2,53 @@
 
 Two ranks (one thread each) in two network namespaces joined by a veth pair whose both
 ends are shaped with ``tc ... tbf rate <rate>``; gloo talks over that link
-(``GLOO_SOCKET_IFNAME``). A GPT-style model trains with SGD on fixed data in every mode,
-each mode warmed up, then timed, interleaved with the others over repetitions so that
-drift hits all modes alike:
+(``GLOO_SOCKET_IFNAME``). A model trains with SGD on fixed data in every mode, each mode
+warmed up, then timed, interleaved with the others over repetitions so that drift hits
+all modes alike. Every sharded mode uses the same bucket plan: ``--plan auto`` (default;
+one bucket per block, the modules before and after the blocks in buckets of about a
+block's size) or ``--plan blocks`` (one bucket per block; embeddings, final norm and head
+left to the root).
 
-    fsdp2-eager        fully_shard per block: what users run today
+    fsdp2-eager        fully_shard per plan bucket (per block / decoder layer) + root, via
+                       parallelize(compile: false): what users run today
     compiled           our sharding, compiled with inductor, no passes
     bucketing          + manual bucketing
     grad-overlap       + gradient reduce-scatter overlap only
-    both               + both passes
-    both+gather-group  + parameter all-gathers on their own gloo group
-    both+all-to-all    + gradient reduce-scatters as all-to-all plus a local sum
-                       (reduce_scatter_impl: all_to_all; half the bytes on gloo)
+    both               + both passes: the defaults (on 2 gloo ranks reduce_scatter_impl: auto
+                       runs gradient reduce-scatters as all-to-all plus a local sum, half
+                       the bytes of gloo's own)
+    both+native        the same with reduce_scatter_impl: native (gloo's reduce-scatter)
+    both+prefetch-2    the defaults with prefetch_depth: 2
+    both+gather-group  + parameter all-gathers on their own gloo group (only with --modes)
     torch-auto         torch's own overlap scheduler (aten_distributed_optimizations),
                        made to run on CPU (roofline estimates from measured CPU rates,
                        collectives costed at the link rate)
     compute-only       the same model and per-rank batch, unsharded, compiled: no comm
     comm-only          the collectives of one `both` step (forward and backward graphs,
                        launches and waits in graph order) replayed with no compute
-    comm-only+all-to-all  the same for `both+all-to-all`
+    comm-only+native   the same for `both+native`
 
-Lower bounds: transport = max(compute-only, comm-only) (for the all-to-all rows,
-comm-only+all-to-all); ideal = max(compute-only, ideal bytes / link rate), where ideal
+Models (``--model``, sized by ``--model-size``, default ``small``):
+
+    gpt        the repo's GPT (MODEL_SIZES; small: d=256, 4 blocks, vocab 512, seq 128,
+               3.4M parameters); the default
+    hf-llama   a transformers ``LlamaForCausalLM`` built from a ``LlamaConfig``, nothing
+               downloaded (HF_LLAMA_SIZES): sdpa attention, which compiles in one graph with
+               the plugin, untied head, no KV cache, its own causal-LM loss (labels = inputs).
+               small: hidden 256, 4 decoder layers, 8 heads / 4 kv heads, MLP 768, vocab
+               512, seq 128, 3.4M parameters: chosen to compute what the GPT small does.
+               Compiled, unsharded, one thread, batch 8 x 128 (compute-only), measured
+               interleaved with the GPT small on the 2-vCPU development machine: 1.00 x the
+               GPT's step (0.35 s each there while the machine was shared; an MLP of 688
+               gave 0.94 x, 5 layers 1.10 x). Sizes medium (8 layers) and large (hidden
+               384, MLP 1024, vocab 1024, 8 layers) mirror the GPT's.
+
+Losses agree across modes (the table's last column: the largest difference from
+fsdp2-eager over the timed steps, which see the same batches in every mode).
+
+Lower bounds: transport = max(compute-only, comm-only) for the rows that reduce-scatter
+as all-to-all (both, both+prefetch-2, both+gather-group), max(compute-only,
+comm-only+native) for the others; ideal = max(compute-only, ideal bytes / link rate), where ideal
 bytes are what a ring all-gather and a reduce-scatter must send per rank. gloo's
 reduce_scatter_tensor is a clone plus a full all-reduce (about twice the ideal bytes),
 which is why the two bounds differ.
@@ -31,6 +56,34 @@ which is why the two bounds differ.
     sudo python benchmarks/step_time.py                  # 300 Mbit, default model, all modes
     python benchmarks/step_time.py --quick               # < 3 minutes, fewer modes and steps
     python benchmarks/step_time.py --rate 1gbit --model-size medium --steps 20 --json out.json
+    sudo python benchmarks/step_time.py --model hf-llama # the transformers Llama, all modes
+    python benchmarks/step_time.py --model hf-llama --quick --loopback
+
+Peak memory per mode (``--memory``): for each mode, a fresh 2-rank run of that mode alone
+(on loopback: memory does not depend on the link), so that no other mode's model, compiled
+code or allocator state is in the process. After the warm-up steps it measures, per rank:
+
+    peak MiB   = held + step +MiB: the most bytes of parameters + gradients + activations
+                 (+ gathered parameters and communication buffers) alive at once in one step
+    held       parameter shards, gradients and buffers the model holds when a step starts
+                 (each storage once, as allocated: padded shards); 0 gradients, since every
+                 step ends with zero_grad(set_to_none=True)
+    step +MiB  the peak, over one step (forward, backward, optimizer step, zero_grad), of
+                 bytes allocated by torch's CPU allocator during the step and not yet freed:
+                 torch.profiler(profile_memory=True)'s allocation events, summed in time order
+                 over all threads it records. Python objects, inductor's compiled code and
+                 allocations outside torch's allocator (gloo's own buffers) are not in it.
+    RSS HWM    a cross-check from the OS, on another, unprofiled step: peak RSS (VmHWM, reset
+                 via /proc/self/clear_refs after malloc_trim) minus RSS at the step's start;
+                 it also counts the heap's fragmentation and non-torch memory, so it is larger
+
+The table gives the largest peak over the ranks and its ratio to fsdp2-eager's. The
+comm-only modes are skipped (they replay collectives on preallocated buffers).
+
+    python benchmarks/step_time.py --memory                        # every mode, GPT small
+    python benchmarks/step_time.py --memory --model hf-llama --json mem.json
+    python benchmarks/step_time.py --memory --quick                # fsdp2-eager, both, both+prefetch-2, compute-only
+    python benchmarks/step_time.py --memory --modes fsdp2-eager,both
 
 Without root (or without iproute2) it runs both ranks on loopback, uncapped, and says so.
 The namespaces are removed on exit, also on failure or Ctrl-C.
@@ -58,22 +111,33 @@ ALL_MODES = [
     "compiled",
     "bucketing",
     "grad-overlap",
+    "both+native",
     "both",
-    "both+gather-group",
-    "both+all-to-all",
+    "both+prefetch-2",
     "torch-auto",
     "compute-only",
     "comm-only",
-    "comm-only+all-to-all",
+    "comm-only+native",
 ]
-QUICK_MODES = ["fsdp2-eager", "compiled", "both", "compute-only", "comm-only"]
-REPLAYS = {"comm-only": "both", "comm-only+all-to-all": "both+all-to-all"}
+A2A_MODES = {"both", "both+prefetch-2", "both+gather-group"}  # on 2 gloo ranks: reduce_scatter_impl auto
+EXTRA_MODES = ["both+gather-group"]  # only when named in --modes (it did not help on gloo: RESULTS.md)
+QUICK_MODES = ["fsdp2-eager", "both", "both+prefetch-2", "compute-only", "comm-only"]
+REPLAYS = {"comm-only": "both", "comm-only+native": "both+native"}
 MODEL_SIZES = {
     # name: (d_model, n_layer, n_head, vocab, seq); ~parameters in the comment
     "small": (256, 4, 8, 512, 128),  # 3.4M
     "medium": (256, 8, 8, 512, 128),  # 6.6M
     "large": (384, 8, 8, 1024, 128),  # 15M
 }
+MODELS = ("gpt", "hf-llama")
+HF_LLAMA_SIZES = {
+    # name: (hidden, layers, heads, kv_heads, intermediate, vocab, seq); ~parameters in the comment
+    # small: the GPT small's compute (one thread: 1.00 x its compiled step, measured interleaved)
+    "small": (256, 4, 8, 4, 768, 512, 128),  # 3.4M
+    "medium": (256, 8, 8, 4, 768, 512, 128),  # 6.6M
+    "large": (384, 8, 8, 4, 1024, 1024, 128),  # 13.8M
+}
+BLOCKS = {"gpt": "blocks", "hf-llama": "model.layers"}  # container of the repeated blocks
 BATCH_PER_RANK = 8
 LR = 0.05
 NETNS = ("fobench0", "fobench1")
@@ -150,8 +214,16 @@ class Namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # also deletes its veth end
 
 
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dict]:
-    port = "29631"
+    port = "29631" if use_netns else _free_port()  # loopback is shared with whatever else runs here
     procs = []
     for rank in range(2):
         env = dict(os.environ)
@@ -209,16 +281,20 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
             "peak_rss_mib": [res["modes"][mode]["peak_rss_mib"] for res in results],  # per-step increase
             "losses": data.get("losses"),
         }
+    eager_losses = rows.get("fsdp2-eager", {}).get("losses")
+    for row in rows.values():  # the same batches in every mode: step i of each is comparable
+        pairs = list(zip(eager_losses or [], row["losses"] or []))
+        row["max_loss_diff_vs_eager"] = max(abs(a - b) for a, b in pairs) if pairs else None
     eager = rows.get("fsdp2-eager", {}).get("median_s")
     compute = rows.get("compute-only", {}).get("median_s")
     comm = rows.get("comm-only", {}).get("median_s")
-    comm_a2a = rows.get("comm-only+all-to-all", {}).get("median_s")
-    transport = max(compute, comm) if compute and comm else None
-    transport_a2a = max(compute, comm_a2a) if compute and comm_a2a else None
+    comm_native = rows.get("comm-only+native", {}).get("median_s")
+    transport = max(compute, comm) if compute and comm else None  # the defaults' collectives
+    transport_native = max(compute, comm_native) if compute and comm_native else None
     ideal_bytes = r0.get("ideal_bytes")
     ideal = max(compute, ideal_bytes * 8 / rate_bps) if compute and ideal_bytes and rate_bps else None
     for mode, row in rows.items():
-        bound = transport_a2a if "all-to-all" in mode else transport
+        bound = transport if mode in A2A_MODES else transport_native
         row["x_eager"] = row["median_s"] / eager if eager else None
         row["x_transport"] = row["median_s"] / bound if bound else None
         row["x_ideal"] = row["median_s"] / ideal if ideal else None
@@ -226,7 +302,7 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
         "rows": rows,
         "process_peak_rss_mib": [round(res.get("process_peak_rss_mib", 0)) for res in results],
         "transport_bound_s": transport,
-        "transport_bound_all_to_all_s": transport_a2a,
+        "transport_bound_native_s": transport_native,
         "ideal_bound_s": ideal,
         "ideal_bytes": ideal_bytes,
         "link": r0.get("link"),
@@ -236,7 +312,7 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
 def print_table(summary: dict, header: str) -> None:
     print(header)
     cols = f"{'mode':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'x eager':>8} {'x transp.':>9} {'x ideal':>8}"
-    print(cols + f" {'step RSS +MiB r0/r1':>20}  loss first -> last")
+    print(cols + f" {'step RSS +MiB r0/r1':>20}  loss first -> last  max |loss - eager|")
     for mode, row in summary["rows"].items():
 
         def ratio(key: str, row: dict = row) -> str:
@@ -244,17 +320,28 @@ def print_table(summary: dict, header: str) -> None:
 
         losses = row["losses"]
         loss = f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-"
+        diff = row.get("max_loss_diff_vs_eager")
+        loss += f"  {diff:.1e}" if diff is not None else ""
         rss = "/".join(f"{x:.0f}" for x in row["peak_rss_mib"])
         print(
             f"{mode:<20} {row['median_s']:>9.3f} {row['min_s']:>7.3f} {row['max_s']:>7.3f} {ratio('x_eager'):>8} "
             f"{ratio('x_transport'):>9} {ratio('x_ideal'):>8} {rss:>20}  {loss}"
         )
     t, i = summary["transport_bound_s"], summary["ideal_bound_s"]
+    print("max |loss - eager|: over the timed steps (same batches in every mode); compute-only trains each rank")
+    print("on its half batch without averaging, so it differs by design.")
     print("step RSS +MiB: the largest increase of resident memory during one step (gathered parameters,")
     print(f"activations, buffers) over the RSS at its start; process peak RSS r0/r1: {summary['process_peak_rss_mib']}")
-    print(f"transport bound max(compute-only, comm-only) = {t:.3f} s" if t else "transport bound: n/a")
-    if summary.get("transport_bound_all_to_all_s"):
-        print(f"transport bound with all-to-all reduce-scatters = {summary['transport_bound_all_to_all_s']:.3f} s")
+    print(
+        f"transport bound max(compute-only, comm-only) = {t:.3f} s (rows {', '.join(sorted(A2A_MODES))})"
+        if t
+        else "transport bound: n/a"
+    )
+    if summary.get("transport_bound_native_s"):
+        print(
+            "transport bound with gloo's reduce-scatter max(compute-only, comm-only+native) = "
+            f"{summary['transport_bound_native_s']:.3f} s (the other rows)"
+        )
     if i:
         mb = summary["ideal_bytes"] / 2**20
         print(f"ideal bound max(compute-only, {mb:.1f} MiB sent per rank / link rate) = {i:.3f} s")
@@ -273,14 +360,32 @@ def print_table(summary: dict, header: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="300mbit", help="tc tbf rate on both veth ends (default 300mbit)")
-    parser.add_argument("--model-size", default="small", choices=sorted(MODEL_SIZES))
+    parser.add_argument("--model", default="gpt", choices=MODELS, help="the repo GPT (default) or hf-llama")
+    parser.add_argument(
+        "--model-size", default="small", choices=sorted(MODEL_SIZES), help="MODEL_SIZES / HF_LLAMA_SIZES entry"
+    )
+    parser.add_argument(
+        "--plan",
+        default="auto",
+        choices=("auto", "blocks"),
+        help="bucket plan of every sharded mode: auto (default) or one bucket per block / decoder layer",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure peak memory per mode instead of time: a fresh 2-rank loopback run per mode",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode per repetition (>= 10)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions; modes are interleaved within each")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode (the first compiles)")
     parser.add_argument(
         "--modes", default=",".join(ALL_MODES), help="comma-separated subset of: " + ", ".join(ALL_MODES)
     )
-    parser.add_argument("--quick", action="store_true", help="fewer modes, 1 repetition, 10 steps (< 3 minutes)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer modes, 1 repetition, 10 steps (< 3 minutes; with --memory: fewer modes)",
+    )
     parser.add_argument("--loopback", action="store_true", help="skip the namespaces even as root")
     parser.add_argument("--json", help="write the summary and raw step times here")
     parser.add_argument("--timeline-png", help="draw rank 0's link activity during one `both` step")
@@ -291,12 +396,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    modes = QUICK_MODES if args.quick else [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in ALL_MODES]
+    modes = (
+        QUICK_MODES
+        if args.quick and args.modes == ",".join(ALL_MODES)
+        else [m.strip() for m in args.modes.split(",") if m.strip()]
+    )
+    unknown = [m for m in modes if m not in ALL_MODES + EXTRA_MODES]
     if unknown:
-        parser.error(f"unknown mode(s) {unknown}; valid: {', '.join(ALL_MODES)}")
-    for replay, source in REPLAYS.items():
-        if replay in modes and (source not in modes or modes.index(source) > modes.index(replay)):
+        parser.error(f"unknown mode(s) {unknown}; valid: {', '.join(ALL_MODES + EXTRA_MODES)}")
+    for replay, source in REPLAYS.items():  # (--memory skips the replays)
+        if not args.memory and replay in modes and (source not in modes or modes.index(source) > modes.index(replay)):
             parser.error(f"{replay} replays the collectives of a `{source}` step: list `{source}` before it")
     if args.quick:
         args.reps, args.steps = 1, 10
@@ -304,8 +413,12 @@ def main() -> None:
         parser.error("--steps must be at least 10")
     rate_bps = parse_rate(args.rate)
     args.worker_args = [
+        "--model",
+        args.model,
         "--model-size",
         args.model_size,
+        "--plan",
+        args.plan,
         "--steps",
         str(args.steps),
         "--reps",
@@ -317,6 +430,8 @@ def main() -> None:
         "--rate",
         args.rate,
     ]
+    if args.memory:
+        return run_memory(args, modes)
     ok, why = Namespaces.available()
     use_netns = ok and not args.loopback
     where = (
@@ -324,10 +439,9 @@ def main() -> None:
         if use_netns
         else f"LOOPBACK, uncapped ({why or '--loopback'}): communication is nearly free, ratios mean little"
     )
-    d, layers, _, vocab, seq = MODEL_SIZES[args.model_size]
     header = (
-        f"step_time: 2 ranks over {where}; model {args.model_size} (d={d}, {layers} blocks, vocab {vocab}, "
-        f"seq {seq}, batch {BATCH_PER_RANK}/rank), SGD; {args.reps} x {args.steps} timed steps per mode"
+        f"step_time: 2 ranks over {where}; {describe_model(args.model, args.model_size)}, batch {BATCH_PER_RANK}"
+        f"/rank), {args.plan} plan, SGD; {args.reps} x {args.steps} timed steps per mode"
     )
     print(header, flush=True)
     out_dir = Path(tempfile.mkdtemp(prefix="fsdp_overlap_bench_"))
@@ -355,6 +469,78 @@ def main() -> None:
         print(f"json written to {args.json}")
 
 
+def run_memory(args: argparse.Namespace, modes: list[str]) -> None:
+    """``--memory``: per mode, a fresh 2-rank loopback run of that mode alone."""
+    skipped = [m for m in modes if m in REPLAYS]
+    modes = [m for m in modes if m not in REPLAYS]
+    header = (
+        f"peak memory: 2 ranks on loopback, one process per rank per mode; {describe_model(args.model, args.model_size)}"
+        f", batch {BATCH_PER_RANK}/rank), {args.plan} plan, SGD; {args.warmup} warm-up steps, then one measured step"
+    )
+    print(header, flush=True)
+    if skipped:
+        print(
+            f"skipped {', '.join(skipped)}: they replay collectives on preallocated buffers (no parameters, "
+            "gradients or activations)"
+        )
+    start = time.time()
+    results: dict[str, list[dict]] = {}
+    for mode in modes:
+        t = time.time()
+        out_dir = Path(tempfile.mkdtemp(prefix="fsdp_overlap_mem_"))
+        worker_args = list(args.worker_args)
+        worker_args[worker_args.index("--modes") + 1] = mode
+        args_mode = argparse.Namespace(**{**vars(args), "worker_args": [*worker_args, "--memory"]})
+        results[mode] = launch(args_mode, out_dir, False)
+        peak = max(r["memory"]["peak_bytes"] for r in results[mode]) / 2**20
+        print(f"[{mode}] peak {peak:.1f} MiB/rank ({time.time() - t:.0f} s)", flush=True)
+    summary = summarize_memory(results)
+    print()
+    print_memory_table(summary, f"peak memory per mode ({time.time() - start:.0f} s in all):")
+    if args.json:
+        payload = {"header": header, "summary": summary, "raw": results, "skipped": skipped}
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+        print(f"json written to {args.json}")
+
+
+def summarize_memory(results: dict[str, list[dict]]) -> dict:
+    mib = 2**-20
+    rows = {}
+    for mode, ranks in results.items():
+        mem = [r["memory"] for r in ranks]
+        rss = [m["rss_hwm_increase_bytes"] for m in mem]
+        rows[mode] = {
+            "peak_mib": max(m["peak_bytes"] for m in mem) * mib,
+            "peak_mib_per_rank": [m["peak_bytes"] * mib for m in mem],
+            "state_mib": max(m["state_bytes"] for m in mem) * mib,
+            "step_peak_mib": max(m["step_peak_bytes"] for m in mem) * mib,
+            "rss_hwm_increase_mib": [x * mib if x is not None else None for x in rss],
+        }
+    eager = rows.get("fsdp2-eager", {}).get("peak_mib")
+    for row in rows.values():
+        row["x_eager"] = row["peak_mib"] / eager if eager else None
+    return {"rows": rows}
+
+
+def print_memory_table(summary: dict, header: str) -> None:
+    print(header)
+    print(
+        f"{'mode':<20} {'peak MiB':>9} {'r0/r1':>13} {'x eager':>8} {'held MiB':>9} {'step +MiB':>10}"
+        f" {'RSS HWM +MiB r0/r1':>19}"
+    )
+    for mode, row in summary["rows"].items():
+        ranks = "/".join(f"{x:.1f}" for x in row["peak_mib_per_rank"])
+        ratio = f"{row['x_eager']:.2f}" if row["x_eager"] else "-"
+        rss = "/".join("-" if x is None else f"{x:.0f}" for x in row["rss_hwm_increase_mib"])
+        print(
+            f"{mode:<20} {row['peak_mib']:>9.1f} {ranks:>13} {ratio:>8} {row['state_mib']:>9.1f}"
+            f" {row['step_peak_mib']:>10.1f} {rss:>19}"
+        )
+    print("peak MiB = held + step +MiB, max over ranks: held = parameter shards, gradients and buffers at the")
+    print("step's start; step +MiB = peak of torch CPU allocations live during one step (profiler). RSS HWM +MiB:")
+    print("the OS's view of another step (peak RSS minus RSS at its start; allocator caching and page reuse blur it).")
+
+
 def draw_link_timeline(link: dict, path: str) -> None:
     import matplotlib
 
@@ -375,6 +561,80 @@ def draw_link_timeline(link: dict, path: str) -> None:
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# =============================================================================== models
+def model_shape(model: str, size: str) -> tuple:
+    """The size's tuple for ``model`` (``MODEL_SIZES`` or ``HF_LLAMA_SIZES``)."""
+    return (MODEL_SIZES if model == "gpt" else HF_LLAMA_SIZES)[size]
+
+
+def vocab_and_seq(model: str, size: str) -> tuple[int, int]:
+    shape = model_shape(model, size)
+    return shape[-2], shape[-1]
+
+
+def describe_model(model: str, size: str) -> str:
+    if model == "gpt":
+        d, layers, heads, vocab, seq = MODEL_SIZES[size]
+        return f"model gpt {size} (d={d}, {layers} blocks, {heads} heads, vocab {vocab}, seq {seq}"
+    hidden, layers, heads, kv, inter, vocab, seq = HF_LLAMA_SIZES[size]
+    return (
+        f"model hf-llama {size} (transformers LlamaForCausalLM, sdpa attention, hidden {hidden}, {layers} layers, "
+        f"{heads} heads / {kv} kv heads, MLP {inter}, vocab {vocab} untied, seq {seq}"
+    )
+
+
+def build_model(model: str, size: str):
+    """The model, seeded: identical on every rank and in every mode."""
+    import torch
+
+    torch.manual_seed(0)
+    if model == "gpt":
+        from fsdp_overlap_plugin.models import GPT, GPTConfig
+
+        d, layers, heads, vocab, seq = MODEL_SIZES[size]
+        return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d))
+    return build_hf_llama(*HF_LLAMA_SIZES[size])
+
+
+def build_hf_llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seq: int):
+    """A transformers ``LlamaForCausalLM`` from a ``LlamaConfig`` (nothing downloaded):
+    sdpa attention (one graph under our compile, as the tests' Llama uses), untied head,
+    no KV cache, dropout off (Llama's default); in train mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def loss_for(model_name: str, model):
+    """``loss(x, y)`` for one batch: the GPT's cross-entropy against ``y``; the transformers
+    model's own causal-LM loss (``labels=x``, shifted inside: the same targets as ``y``)."""
+    if model_name == "gpt":
+        from fsdp_overlap_plugin.models import loss_fn
+
+        return lambda x, y: loss_fn(model(x), y)
+    return lambda x, y: model(input_ids=x, labels=x).loss
+
+
+def block_plan(model_name: str, model) -> list[list[str]]:
+    """One bucket per repeated block (embeddings, final norm and head left to the root)."""
+    container = BLOCKS[model_name]
+    return [[f"{container}.{i}"] for i in range(len(model.get_submodule(container)))]
 
 
 # =============================================================================== worker
@@ -450,8 +710,10 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     modes = args.modes.split(",")
-    d, layers, heads, vocab, seq = MODEL_SIZES[args.model_size]
+    vocab, seq = vocab_and_seq(args.model, args.model_size)
     rate_bps = parse_rate(args.rate)
+    if args.memory:
+        return memory_worker(args, modes, rank, world, rate_bps)
     data = _data(vocab, seq, world, args.warmup + args.reps * args.steps + 1)
     runners: dict[str, object] = {}
     results: dict[str, dict] = {m: {"times": [], "losses": [], "peak_rss_mib": 0.0} for m in modes}
@@ -466,7 +728,7 @@ def worker(args: argparse.Namespace) -> None:
         for mode in modes:
             if mode not in runners:
                 t = time.perf_counter()
-                runners[mode] = make_runner(mode, (d, layers, heads, vocab, seq), runners, rate_bps, world)
+                runners[mode] = make_runner(mode, args.model, args.model_size, runners, rate_bps, world, args.plan)
                 for _ in range(args.warmup):
                     runners[mode].step(data[step_index[mode]])
                     step_index[mode] += 1
@@ -507,13 +769,134 @@ def _data(vocab: int, seq: int, world: int, steps: int):
     return fixed_batches(steps, BATCH_PER_RANK * world, seq, vocab, seed=7)
 
 
+# ------------------------------------------------------------------------------- memory
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_rss_high_water_mark() -> bool:
+    """Set VmHWM to the current RSS (Linux: "5" to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _malloc_trim() -> None:
+    """Give freed heap memory back to the OS (glibc), so that the next step's RSS starts low
+    and its high-water mark shows what the step needs rather than what earlier steps left."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def state_bytes(model) -> int:
+    """Bytes of the storages the model's parameters (this rank's shards, as allocated,
+    padding included), their gradients and its buffers hold, each storage once."""
+    seen: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        for t in (tensor, getattr(tensor, "grad", None)):
+            if t is None:
+                continue
+            local = t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
+            storage = local.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def step_allocation_peak(events) -> tuple[int, int]:
+    """``(peak, end)`` of the running sum of CPU allocator events ``(time_ns, +/-bytes)``:
+    the most bytes allocated during the profiled region and not yet freed, and what is
+    still allocated at its end. A block allocated before profiling began is not in the
+    events when freed (the allocator does not know its size then), so frees of older
+    blocks never lower the sum."""
+    running = peak = 0
+    for _, nbytes in sorted(events):
+        running += nbytes
+        peak = max(peak, running)
+    return peak, running
+
+
+def measure_step_memory(runner: ModelRunner, batches, barrier) -> dict:
+    """One step's memory on this rank, after warm-up (see ``--memory`` in the docstring):
+
+    * ``state_bytes``: parameter shards + gradients + buffers held when the step starts;
+    * ``step_peak_bytes``: the peak of bytes allocated by torch's CPU allocator during one
+      step (forward, backward, optimizer step, zero_grad) and not yet freed, from
+      ``torch.profiler`` with ``profile_memory=True`` (its ``[memory]`` events);
+    * ``peak_bytes`` = the two summed: parameters + gradients + activations (+ gathered
+      parameters and communication buffers) at the step's worst moment;
+    * ``rss_hwm_increase_bytes``: the cross-check from the OS, in a separate unprofiled
+      step: VmHWM (reset just before via /proc/self/clear_refs, after ``malloc_trim``)
+      minus VmRSS at its start.
+    """
+    import gc
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    _malloc_trim()
+    barrier()
+    rss0 = _proc_status_kib("VmRSS")
+    hwm_ok = _reset_rss_high_water_mark()
+    runner.step(batches[0])
+    hwm = _proc_status_kib("VmHWM")
+    gc.collect()
+    barrier()
+    state = state_bytes(runner.model)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner.step(batches[1])
+    memory_events = [
+        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    ]
+    events = [(e.start_ns(), e.nbytes()) for e in memory_events]
+    peak, end = step_allocation_peak(events)
+    return {
+        "state_bytes": state,
+        "step_peak_bytes": peak,
+        "step_end_bytes": end,
+        "peak_bytes": state + peak,
+        "allocation_events": len(events),
+        "allocation_threads": len({e.start_thread_id() for e in memory_events}),
+        "rss_hwm_increase_bytes": (hwm - rss0) * 1024 if hwm_ok else None,
+    }
+
+
+def memory_worker(args: argparse.Namespace, modes: list[str], rank: int, world: int, rate_bps: float) -> None:
+    """``--memory``: this process runs one mode only: build, warm up, measure one step."""
+    import torch.distributed as dist
+
+    (mode,) = modes
+    vocab, seq = vocab_and_seq(args.model, args.model_size)
+    data = _data(vocab, seq, world, args.warmup + 2)
+    runner = make_runner(mode, args.model, args.model_size, {}, rate_bps, world, args.plan)
+    t = time.perf_counter()
+    losses = [runner.step(batch) for batch in data[: args.warmup]]
+    warm = time.perf_counter() - t
+    memory = measure_step_memory(runner, data[args.warmup :], dist.barrier)
+    out = {"rank": rank, "mode": mode, "memory": memory, "warmup_s": warm, "losses": losses}
+    Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
 class ModelRunner:
     """One mode's model, optimizer and step."""
 
-    def __init__(self, model, world: int, patch: dict | None = None):
+    def __init__(self, model, world: int, patch: dict | None = None, loss=None):
         import torch
 
         self.model = model
+        self.loss = loss
         self.opt = torch.optim.SGD(model.parameters(), lr=LR)
         self.world = world
         self.patch = patch  # inductor config active while the first step compiles
@@ -529,15 +912,13 @@ class ModelRunner:
     def step(self, batch, marks: list | None = None, t0: float = 0.0) -> float:
         import torch
 
-        from fsdp_overlap_plugin.models import loss_fn
-
         ctx = torch._inductor.config.patch(self.patch) if self.patch and not self.compiled else _nullcontext()
         x, y = (self._slice(t) for t in batch)
         base = rss_mib()
         with ctx:
             if marks is not None:
                 marks.append(("forward", time.perf_counter() - t0))
-            loss = loss_fn(self.model(x), y)
+            loss = self.loss(x, y)
             self.peak_rss = max(self.peak_rss, rss_mib() - base)
             if marks is not None:
                 marks.append(("backward", time.perf_counter() - t0))
@@ -650,11 +1031,16 @@ def torch_auto_patch(rate_bps: float) -> dict:
     """Make inductor's overlap scheduler run on a CPU-only torch: its roofline estimator
     asks Triton for the GPU's memory bandwidth and peak FLOPs, so give it this CPU's
     measured rates, and cost collectives at the link rate instead of NCCL's."""
+    import torch
+    import torch.distributed as dist
     import torch.utils._runtime_estimation as runtime_estimation
 
     from fsdp_overlap_plugin.passes.graph import is_collective
 
-    flops, bw = _cpu_rates()
+    rates = torch.tensor(_cpu_rates(), dtype=torch.float64)
+    if dist.is_initialized():  # rank 0's rates everywhere: different estimates make different schedules
+        dist.broadcast(rates, src=0)  # on the ranks, whose collectives then mismatch (seen on hf-llama)
+    flops, bw = rates.tolist()
     runtime_estimation.get_gpu_dram_gbps = lambda: bw / 1e9
     runtime_estimation.get_device_tflops = lambda dtype: flops / 1e12
 
@@ -674,34 +1060,37 @@ def torch_auto_patch(rate_bps: float) -> dict:
     }
 
 
-def make_runner(mode: str, shape: tuple, runners: dict, rate_bps: float, world: int):
-    import torch
-
+def make_runner(mode: str, model_name: str, size: str, runners: dict, rate_bps: float, world: int, plan: str = "auto"):
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.models import GPT, GPTConfig
 
     if mode in REPLAYS:
         return CommReplay(runners[REPLAYS[mode]], world)
-    d, layers, heads, vocab, seq = shape
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d))
+    model = build_model(model_name, size)
+    loss = loss_for(model_name, model)
     if mode == "compute-only":
+        from fsdp_overlap_plugin.hf import prepare_for_compile
+
+        prepare_for_compile(model)
         model.compile(backend="inductor", fullgraph=True)
-        return ModelRunner(model, world=1)
-    passes = {"manual_bucketing": False, "overlap_grad_reduce": False}
+        return ModelRunner(model, world=1, loss=loss)
+    native = {"reduce_scatter_impl": "native"}
+    passes = {"manual_bucketing": False, "overlap_grad_reduce": False, **native}
     config = {
         "fsdp2-eager": {"compile": False},
         "compiled": passes,
-        "bucketing": {"manual_bucketing": True, "overlap_grad_reduce": False},
-        "grad-overlap": {"manual_bucketing": False, "overlap_grad_reduce": True},
+        "bucketing": {"manual_bucketing": True, "overlap_grad_reduce": False, **native},
+        "grad-overlap": {"manual_bucketing": False, "overlap_grad_reduce": True, **native},
         "both": {},
+        "both+native": native,
+        "both+prefetch-2": {"prefetch_depth": 2},
         "both+gather-group": {"separate_gather_group": True},
-        "both+all-to-all": {"reduce_scatter_impl": "all_to_all"},
         "torch-auto": passes,
     }[mode]
+    if plan == "blocks":
+        config = {**config, "bucket_plans": block_plan(model_name, model)}
     fo.parallelize(model, config)
     patch = torch_auto_patch(rate_bps) if mode == "torch-auto" else None
-    return ModelRunner(model, world, patch)
+    return ModelRunner(model, world, patch, loss=loss)
 
 
 if __name__ == "__main__":
