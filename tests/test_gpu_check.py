@@ -314,11 +314,13 @@ def test_code_order_checker_catches_a_late_prefetch_in_real_code(cpu_code):
 @pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
 def test_two_fake_ranks_graph_check_passes_on_cpu(monkeypatch):
     """The CPU twin of tests/test_gpu_cuda.py's 2-fake-rank graph check (which needs a
-    GPU): the same model and assertions, the gather group switched on as nccl does."""
+    GPU): the same model and assertions, the gather group switched on and the native
+    reduce-scatter kept, as nccl does (reduce_scatter_impl: auto picks all-to-all on gloo)."""
     from _bucket_graphs import check_two_rank_graphs, two_rank_graphs
 
     torch.set_num_threads(1)
-    check_two_rank_graphs(two_rank_graphs(monkeypatch, "cpu", separate_gather_group=True), "cpu")
+    graphs = two_rank_graphs(monkeypatch, "cpu", separate_gather_group=True, reduce_scatter_impl="native")
+    check_two_rank_graphs(graphs, "cpu")
 
 
 def test_one_rank_mesh_has_no_collectives_in_its_graphs():
