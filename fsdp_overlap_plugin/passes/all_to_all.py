@@ -55,6 +55,7 @@ def reduce_scatter_as_all_to_all(gm: fx.GraphModule) -> dict:
         a2a.meta.update({k: v for k, v in rs.meta.items() if k != "val"})
         a2a.meta["val"] = val  # same shape and dtype as the input
         users = data_users(wait)
+        out_val = wait.meta.get("val")  # the reduce-scatter's result: what the sum gives
         wait.replace_input_with(rs, a2a)
         wait.meta["val"] = val
         with graph.inserting_after(wait):
@@ -73,6 +74,15 @@ def reduce_scatter_as_all_to_all(gm: fx.GraphModule) -> dict:
                     if k in ("nn_module_stack", "fwd_nn_module_stack", "fsdp_overlap_bucket")
                 }
             )
+        # shapes for whoever reads them later (the schedule events' bytes of an HSDP
+        # all-reduce of the result, inductor's lowering)
+        if out_val is not None:
+            total.meta["val"] = out_val
+            result.meta["val"] = out_val
+            try:
+                rows.meta["val"] = val.view(size, chunk, *rest)
+            except Exception:  # a val that is not a fake tensor: leave the view without one
+                pass
         for user in users:
             user.replace_input_with(wait, result)
         graph.erase_node(rs)
