@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .graph import is_fsdp_all_gather, is_preparation_op, is_view, owner_module, param_fqn, wait_of
 from .plan_index import BucketIndex
+from .prefetch import kept_buckets
 
 __all__ = ["annotate_reshard"]
 
@@ -145,17 +146,12 @@ def annotate_reshard(
 def _last_buckets(gathers: list[fx.Node], keys: list, keep: int, budget: int | None) -> tuple[list, int]:
     """The keys of the last ``keep`` buckets gathered (last first) whose gathered bytes
     together fit ``budget``, the very last one always; and their bytes
-    (``passes.prefetch.kept_buckets`` is the same rule on plan sizes)."""
+    (``passes.prefetch.kept_buckets``, the rule ``check`` applies to plan sizes)."""
     held: dict = {}
     for node, key in zip(gathers, keys):
         wait = wait_of(node)
         val = wait.meta.get("val") if wait is not None else None
         held[key] = held.get(key, 0) + (val.numel() * val.element_size() if val is not None else 0)
-    order = list(dict.fromkeys(reversed(keys)))
-    kept, total = order[:1], held[order[0]]
-    for key in order[1:keep]:
-        if budget is not None and total + held[key] > budget:
-            break
-        kept.append(key)
-        total += held[key]
-    return kept, total
+    order = list(dict.fromkeys(reversed(keys)))  # last gathered first
+    kept = order[: kept_buckets([held[key] for key in reversed(order)], keep, budget)]
+    return kept, sum(held[key] for key in kept)
