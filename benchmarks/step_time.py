@@ -59,23 +59,28 @@ which is why the two bounds differ.
     sudo python benchmarks/step_time.py --model hf-llama # the transformers Llama, all modes
     python benchmarks/step_time.py --model hf-llama --quick --loopback
 
-Peak memory per mode (``--memory``): for each mode, a fresh 2-rank run of that mode alone
-(on loopback: memory does not depend on the link), so that no other mode's model, compiled
-code or allocator state is in the process. After the warm-up steps it measures, per rank:
+Peak memory per mode (``--memory``): for each mode, a fresh 2-rank run of that mode alone,
+over the same shaped link as the time table (loopback with ``--loopback`` or without root):
+how long a prefetched all-gather or a deferred reduce-scatter is in flight decides which of
+their buffers are alive at a step's worst moment. No other mode's model, compiled code or
+allocator state is in the process. After the warm-up steps it measures, per rank:
 
     peak MiB   = held + step +MiB: the most bytes of parameters + gradients + activations
-                 (+ gathered parameters and communication buffers) alive at once in one step
+                 (+ gathered parameters and communication buffers) alive at once in a step
     held       parameter shards, gradients and buffers the model holds when a step starts
                  (each storage once, as allocated: padded shards); 0 gradients, since every
                  step ends with zero_grad(set_to_none=True)
-    step +MiB  the peak, over one step (forward, backward, optimizer step, zero_grad), of
-                 bytes allocated by torch's CPU allocator during the step and not yet freed:
-                 torch.profiler(profile_memory=True)'s allocation events, summed in time order
-                 over all threads it records. Python objects, inductor's compiled code and
-                 allocations outside torch's allocator (gloo's own buffers) are not in it.
-    RSS HWM    a cross-check from the OS, on another, unprofiled step: peak RSS (VmHWM, reset
-                 via /proc/self/clear_refs after malloc_trim) minus RSS at the step's start;
-                 it also counts the heap's fragmentation and non-torch memory, so it is larger
+    step +MiB  what the step added to resident memory at its worst moment: VmHWM (reset via
+                 /proc/self/clear_refs after malloc_trim) minus VmRSS at the step's start,
+                 the larger of two unprofiled steps. The workers run with glibc's
+                 MALLOC_MMAP_THRESHOLD_=65536: every tensor of 64 KiB or more is its own
+                 mapping, unmapped when freed, so RSS follows the live bytes of every thread
+                 (gloo's staging buffers, allocated on its worker threads, included)
+    profiler   cross-check on a third step: the peak of torch.profiler(profile_memory=True)'s
+                 allocation events summed in time order. It is not the measure: it only sees
+                 threads that carry the profiler's state, so a tensor freed on a backend's
+                 worker thread stays in its sum (the step then "ends" MiBs above zero) and a
+                 staging buffer is counted or not depending on how the collective was issued
 
 The table gives the largest peak over the ranks and its ratio to fsdp2-eager's. The
 comm-only modes are skipped (they replay collectives on preallocated buffers).
@@ -236,6 +241,8 @@ def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dic
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
         )
+        if "--memory" in args.worker_args:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
         cmd = [sys.executable, __file__, "--worker", "--out-dir", str(out_dir), *args.worker_args]
         if use_netns:
             cmd = ["ip", "netns", "exec", NETNS[rank], *cmd]
@@ -430,10 +437,10 @@ def main() -> None:
         "--rate",
         args.rate,
     ]
-    if args.memory:
-        return run_memory(args, modes)
     ok, why = Namespaces.available()
     use_netns = ok and not args.loopback
+    if args.memory:
+        return run_memory(args, modes, use_netns, why)
     where = (
         f"two network namespaces, veth shaped to {args.rate} each way"
         if use_netns
@@ -469,12 +476,14 @@ def main() -> None:
         print(f"json written to {args.json}")
 
 
-def run_memory(args: argparse.Namespace, modes: list[str]) -> None:
-    """``--memory``: per mode, a fresh 2-rank loopback run of that mode alone."""
+def run_memory(args: argparse.Namespace, modes: list[str], use_netns: bool, why: str | None) -> None:
+    """``--memory``: per mode, a fresh 2-rank run of that mode alone, over the shaped link
+    (or loopback)."""
     skipped = [m for m in modes if m in REPLAYS]
     modes = [m for m in modes if m not in REPLAYS]
+    where = f"over the veth shaped to {args.rate}" if use_netns else f"on loopback ({why or '--loopback'})"
     header = (
-        f"peak memory: 2 ranks on loopback, one process per rank per mode; {describe_model(args.model, args.model_size)}"
+        f"peak memory: 2 ranks {where}, one process per rank per mode; {describe_model(args.model, args.model_size)}"
         f", batch {BATCH_PER_RANK}/rank), {args.plan} plan, SGD; {args.warmup} warm-up steps, then one measured step"
     )
     print(header, flush=True)
@@ -491,7 +500,11 @@ def run_memory(args: argparse.Namespace, modes: list[str]) -> None:
         worker_args = list(args.worker_args)
         worker_args[worker_args.index("--modes") + 1] = mode
         args_mode = argparse.Namespace(**{**vars(args), "worker_args": [*worker_args, "--memory"]})
-        results[mode] = launch(args_mode, out_dir, False)
+        if use_netns:
+            with Namespaces(args.rate):
+                results[mode] = launch(args_mode, out_dir, True)
+        else:
+            results[mode] = launch(args_mode, out_dir, False)
         peak = max(r["memory"]["peak_bytes"] for r in results[mode]) / 2**20
         print(f"[{mode}] peak {peak:.1f} MiB/rank ({time.time() - t:.0f} s)", flush=True)
     summary = summarize_memory(results)
@@ -515,6 +528,7 @@ def summarize_memory(results: dict[str, list[dict]]) -> dict:
             "state_mib": max(m["state_bytes"] for m in mem) * mib,
             "step_peak_mib": max(m["step_peak_bytes"] for m in mem) * mib,
             "rss_hwm_increase_mib": [x * mib if x is not None else None for x in rss],
+            "source": mem[0].get("peak_source", "profiler"),
         }
     eager = rows.get("fsdp2-eager", {}).get("peak_mib")
     for row in rows.values():
@@ -525,20 +539,27 @@ def summarize_memory(results: dict[str, list[dict]]) -> dict:
 def print_memory_table(summary: dict, header: str) -> None:
     print(header)
     print(
-        f"{'mode':<20} {'peak MiB':>9} {'r0/r1':>13} {'x eager':>8} {'held MiB':>9} {'step +MiB':>10}"
-        f" {'RSS HWM +MiB r0/r1':>19}"
+        f"{'mode':<20} {'peak MiB':>9} {'r0/r1':>13} {'x eager':>8} {'held MiB':>9} {'step +MiB r0/r1':>16}"
+        f" {'profiler +MiB':>14}"
     )
+    sources = set()
     for mode, row in summary["rows"].items():
         ranks = "/".join(f"{x:.1f}" for x in row["peak_mib_per_rank"])
         ratio = f"{row['x_eager']:.2f}" if row["x_eager"] else "-"
-        rss = "/".join("-" if x is None else f"{x:.0f}" for x in row["rss_hwm_increase_mib"])
+        rss = "/".join("-" if x is None else f"{x:.1f}" for x in row["rss_hwm_increase_mib"])
+        sources.add(row.get("source", "profiler"))
         print(
             f"{mode:<20} {row['peak_mib']:>9.1f} {ranks:>13} {ratio:>8} {row['state_mib']:>9.1f}"
-            f" {row['step_peak_mib']:>10.1f} {rss:>19}"
+            f" {rss:>16} {row['step_peak_mib']:>14.1f}"
         )
-    print("peak MiB = held + step +MiB, max over ranks: held = parameter shards, gradients and buffers at the")
-    print("step's start; step +MiB = peak of torch CPU allocations live during one step (profiler). RSS HWM +MiB:")
-    print("the OS's view of another step (peak RSS minus RSS at its start; allocator caching and page reuse blur it).")
+    if sources == {"rss"}:
+        print("peak MiB = held + step +MiB, max over ranks. held: parameter shards, gradients and buffers at a")
+        print("step's start. step +MiB: the most resident memory a step added (VmHWM - VmRSS at its start, worst")
+        print(f"of 2 steps; MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}: tensors are mapped and unmapped, every thread")
+        print("counted). profiler +MiB: torch.profiler's running sum on another step; it misses frees on backend")
+        print("worker threads, so it reads high for modes whose collectives complete there (docstring).")
+    else:
+        print("peak MiB = held + profiler +MiB (the RSS high-water mark could not be reset here), max over ranks.")
 
 
 def draw_link_timeline(link: dict, path: str) -> None:
@@ -826,49 +847,66 @@ def step_allocation_peak(events) -> tuple[int, int]:
     return peak, running
 
 
-def measure_step_memory(runner: ModelRunner, batches, barrier) -> dict:
-    """One step's memory on this rank, after warm-up (see ``--memory`` in the docstring):
+MMAP_THRESHOLD = 65536
+"""``--memory`` workers run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at this: every
+allocation of 64 KiB or more is its own mapping, returned to the OS when freed (the default,
+dynamic threshold soon serves tensors from the heap, which keeps freed pages). So the
+process's resident memory follows the bytes alive, on every thread."""
 
-    * ``state_bytes``: parameter shards + gradients + buffers held when the step starts;
-    * ``step_peak_bytes``: the peak of bytes allocated by torch's CPU allocator during one
-      step (forward, backward, optimizer step, zero_grad) and not yet freed, from
-      ``torch.profiler`` with ``profile_memory=True`` (its ``[memory]`` events);
-    * ``peak_bytes`` = the two summed: parameters + gradients + activations (+ gathered
-      parameters and communication buffers) at the step's worst moment;
-    * ``rss_hwm_increase_bytes``: the cross-check from the OS, in a separate unprofiled
-      step: VmHWM (reset just before via /proc/self/clear_refs, after ``malloc_trim``)
-      minus VmRSS at its start.
+
+def measure_step_memory(runner: ModelRunner, batches, barrier, rss_steps: int = 2) -> dict:
+    """A step's memory on this rank, after warm-up (see ``--memory`` in the docstring):
+
+    * ``state_bytes``: parameter shards + gradients + buffers held when a step starts;
+    * ``rss_hwm_increase_bytes``: the largest, over ``rss_steps`` unprofiled steps, of
+      VmHWM (reset just before via /proc/self/clear_refs, after ``malloc_trim``) minus
+      VmRSS at the step's start: what the step added at its worst moment, as the OS
+      sees it: every thread's allocations (a backend's staging buffers included);
+    * ``peak_bytes`` = state + that increase (the table's "peak MiB"); where the high-water
+      mark cannot be reset, state + the profiler's peak;
+    * ``step_peak_bytes`` / ``step_end_bytes``: the cross-check from ``torch.profiler``
+      (``profile_memory=True``), on one more step: the running sum of its ``[memory]``
+      events. It records allocations and frees only on threads that carry the profiler's
+      state; a tensor freed on a backend's worker thread never leaves the sum (then
+      ``step_end_bytes`` stays above 0 and the peak is too high), and gloo's staging
+      buffers appear or not depending on how the collective was issued.
     """
     import gc
 
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    gc.collect()
-    _malloc_trim()
-    barrier()
-    rss0 = _proc_status_kib("VmRSS")
-    hwm_ok = _reset_rss_high_water_mark()
-    runner.step(batches[0])
-    hwm = _proc_status_kib("VmHWM")
+    increases = []
+    for batch in batches[:rss_steps]:
+        gc.collect()
+        _malloc_trim()
+        barrier()
+        rss0 = _proc_status_kib("VmRSS")
+        if not _reset_rss_high_water_mark():
+            break
+        runner.step(batch)
+        increases.append((_proc_status_kib("VmHWM") - rss0) * 1024)
     gc.collect()
     barrier()
     state = state_bytes(runner.model)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner.step(batches[1])
+        runner.step(batches[rss_steps])
     memory_events = [
         e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     ]
     events = [(e.start_ns(), e.nbytes()) for e in memory_events]
     peak, end = step_allocation_peak(events)
+    rss = max(increases) if increases else None
     return {
         "state_bytes": state,
+        "rss_hwm_increase_bytes": rss,
+        "rss_hwm_increase_per_step": increases,
+        "peak_bytes": state + (rss if rss is not None else peak),
+        "peak_source": "rss" if rss is not None else "profiler",
         "step_peak_bytes": peak,
         "step_end_bytes": end,
-        "peak_bytes": state + peak,
         "allocation_events": len(events),
         "allocation_threads": len({e.start_thread_id() for e in memory_events}),
-        "rss_hwm_increase_bytes": (hwm - rss0) * 1024 if hwm_ok else None,
     }
 
 
@@ -878,7 +916,7 @@ def memory_worker(args: argparse.Namespace, modes: list[str], rank: int, world: 
 
     (mode,) = modes
     vocab, seq = vocab_and_seq(args.model, args.model_size)
-    data = _data(vocab, seq, world, args.warmup + 2)
+    data = _data(vocab, seq, world, args.warmup + 3)
     runner = make_runner(mode, args.model, args.model_size, {}, rate_bps, world, args.plan)
     t = time.perf_counter()
     losses = [runner.step(batch) for batch in data[: args.warmup]]

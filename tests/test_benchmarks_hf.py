@@ -66,14 +66,17 @@ def test_measure_step_memory_counts_parameters_gradients_and_activations():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32))
     runner = step_time.ModelRunner(model, world=1, loss=step_time.loss_for("gpt", model))
-    data = step_time._data(64, 16, 1, 3)
+    data = step_time._data(64, 16, 1, 4)
     runner.step(data[0])
     mem = step_time.measure_step_memory(runner, data[1:], lambda: None)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert mem["state_bytes"] == params  # shards of a 1-rank model: the parameters; no gradients held
     assert mem["step_peak_bytes"] > params  # every gradient exists before the optimizer step, plus activations
-    assert mem["peak_bytes"] == mem["state_bytes"] + mem["step_peak_bytes"]
     assert mem["allocation_events"] > 0
+    assert len(mem["rss_hwm_increase_per_step"]) == 2  # two unprofiled steps, the worst one counts
+    assert mem["rss_hwm_increase_bytes"] == max(mem["rss_hwm_increase_per_step"])
+    assert mem["peak_source"] == "rss"
+    assert mem["peak_bytes"] == mem["state_bytes"] + mem["rss_hwm_increase_bytes"]
 
 
 def test_memory_summary_takes_the_larger_rank_and_ratios_against_eager():
@@ -138,4 +141,10 @@ def test_memory_run_of_one_mode_in_its_own_processes(tmp_path):
     payload = json.loads(out.read_text())
     row = payload["summary"]["rows"]["fsdp2-eager"]
     assert row["x_eager"] == 1.0 and row["peak_mib"] > row["state_mib"] > 0
+    assert row["source"] == "rss"
+    # the resident-memory increase sees at least what the profiler saw on this thread,
+    # less what the OS had not yet paged in: within 10% of it on this model
+    for rank in payload["raw"]["fsdp2-eager"]:
+        mem = rank["memory"]
+        assert mem["rss_hwm_increase_bytes"] > 0.9 * mem["step_peak_bytes"]
     assert list(payload["summary"]["rows"]) == ["fsdp2-eager"]
