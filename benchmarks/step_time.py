@@ -484,7 +484,7 @@ def run_memory(args: argparse.Namespace, modes: list[str], use_netns: bool, why:
     where = f"over the veth shaped to {args.rate}" if use_netns else f"on loopback ({why or '--loopback'})"
     header = (
         f"peak memory: 2 ranks {where}, one process per rank per mode; {describe_model(args.model, args.model_size)}"
-        f", batch {BATCH_PER_RANK}/rank), {args.plan} plan, SGD; {args.warmup} warm-up steps, then one measured step"
+        f", batch {BATCH_PER_RANK}/rank), {args.plan} plan, SGD; {args.warmup} warm-up steps, then two measured steps (RSS) and one profiled"
     )
     print(header, flush=True)
     if skipped:
