@@ -227,6 +227,15 @@ def _free_port() -> str:
         return str(sock.getsockname()[1])
 
 
+def launch_on_link(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dict]:
+    """``launch`` over the shaped veth (the namespaces made before and removed after, also
+    on failure) or, without namespaces, over loopback."""
+    if not use_netns:
+        return launch(args, out_dir, False)
+    with Namespaces(args.rate):
+        return launch(args, out_dir, True)
+
+
 def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dict]:
     port = "29631" if use_netns else _free_port()  # loopback is shared with whatever else runs here
     procs = []
@@ -456,11 +465,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(130))
     start = time.time()
-    if use_netns:
-        with Namespaces(args.rate):
-            results = launch(args, out_dir, True)
-    else:
-        results = launch(args, out_dir, False)
+    results = launch_on_link(args, out_dir, use_netns)
     summary = summarize(results, rate_bps if use_netns else None)
     print()
     print_table(summary, f"results ({time.time() - start:.0f} s in all; ratios of medians):")
@@ -500,11 +505,7 @@ def run_memory(args: argparse.Namespace, modes: list[str], use_netns: bool, why:
         worker_args = list(args.worker_args)
         worker_args[worker_args.index("--modes") + 1] = mode
         args_mode = argparse.Namespace(**{**vars(args), "worker_args": [*worker_args, "--memory"]})
-        if use_netns:
-            with Namespaces(args.rate):
-                results[mode] = launch(args_mode, out_dir, True)
-        else:
-            results[mode] = launch(args_mode, out_dir, False)
+        results[mode] = launch_on_link(args_mode, out_dir, use_netns)
         peak = max(r["memory"]["peak_bytes"] for r in results[mode]) / 2**20
         print(f"[{mode}] peak {peak:.1f} MiB/rank ({time.time() - t:.0f} s)", flush=True)
     summary = summarize_memory(results)
