@@ -99,10 +99,30 @@ def _package_dir() -> str:
     return os.path.realpath(list(spec.submodule_search_locations)[0])
 
 
-def package_frames(frames: list[str]) -> list[str]:
-    """The frames whose file lies inside the fsdp_overlap_plugin package."""
-    package = _package_dir() + os.sep
+def package_frames(frames: list[str], package_dir: str | None = None) -> list[str]:
+    """The frames whose file lies inside the fsdp_overlap_plugin package (the importable
+    one, or ``package_dir``: a copy that subprocesses import instead)."""
+    package = os.path.realpath(package_dir or _package_dir()) + os.sep
     return [f for f in frames if (m := _FRAME_FILE.match(f)) and os.path.realpath(m.group(1)).startswith(package)]
+
+
+def raise_on_native_crash(crash_logs: dict[str, str], failure: str, package_dir: str | None = None) -> None:
+    """The policy of ``run_ranks`` for processes started some other way (torchrun), each
+    with a faulthandler file: ``crash_logs`` maps a file's name to its text, empty where
+    the process hit no fatal signal (a SIGKILL writes nothing). Returns when every log is
+    empty; raises ``NativeCrash`` (the caller may rerun) when a process died in native
+    code on a thread that ran none of the package's code (``package_dir``: the copy the
+    processes imported), and ``AssertionError`` (never rerun) when it did."""
+    logs = {name: text for name, text in crash_logs.items() if text.strip()}
+    if not logs:
+        return
+    report = "".join(f"--- {name} ---\n{text[-4000:]}\n" for name, text in logs.items())
+    if any(package_frames(crashing_thread_stack(text), package_dir) for text in logs.values()):
+        raise AssertionError(
+            "a process crashed in native code while the crashing thread ran fsdp_overlap_plugin code "
+            f"(not rerun):\n{report}{failure}"
+        )
+    raise NativeCrash(f"a process crashed in native code (faulthandler's stacks):\n{report}{failure}")
 
 
 def _worker(
@@ -235,15 +255,15 @@ def run_ranks(
         try:
             return _attempt(fn, args, world, timeout, env)
         except NativeCrash as crash:
-            _count_rerun(fn)
+            count_rerun(fn)
             warnings.warn(f"rerunning {fn.__name__} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=2)
             args = tuple(_fresh_if_directory(a) for a in args)
     return _attempt(fn, args, world, timeout, env)
 
 
-def _count_rerun(fn: Callable) -> None:
+def count_rerun(fn: Callable | str) -> None:
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0] or "(not in a test)"
-    entry = f"{test} ({fn.__name__})"
+    entry = f"{test} ({fn if isinstance(fn, str) else fn.__name__})"
     reruns.append(entry)
     if path := os.environ.get(RERUN_LOG_ENV):
         with open(path, "a") as f:

@@ -17,7 +17,7 @@ import conftest
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RerunAfterCrash, crashing_thread_stack, package_frames, run_ranks
+from _dist import RerunAfterCrash, crashing_thread_stack, package_frames, raise_on_native_crash, run_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -213,6 +213,25 @@ def test_only_the_current_threads_frames_decide():
     assert crashing_thread_stack(log.replace("Current thread", "Thread")) == []
     # a path that merely contains the package's name is not the package
     assert package_frames(['File "/elsewhere/fsdp_overlap_plugin/x.py", line 1 in f']) == []
+
+
+def test_crash_logs_of_processes_started_elsewhere_follow_the_same_policy(tmp_path):
+    """The restart soak's torchrun processes: empty faulthandler files (no crash, or the
+    planned SIGKILL) pass; a crash on a thread outside the package is a NativeCrash
+    (rerun); one on a thread inside the copy of the package they imported is not."""
+    copy = tmp_path / "package" / "fsdp_overlap_plugin"
+    fault = "Fatal Python error: Segmentation fault\n\n"
+    gloo = fault + 'Thread 0x1 (most recent call first):\n  File "/x/soak_train.py", line 3 in <module>\n'
+    ours = fault + f'Current thread 0x2 (most recent call first):\n  File "{copy}/compile.py", line 9 in run_passes\n'
+    raise_on_native_crash({"attempt0-rank0.txt": "", "attempt0-rank1.txt": " \n"}, "torchrun failed")
+    with pytest.raises(_dist.NativeCrash, match="(?s)attempt1-rank1.txt.*soak_train.py.*torchrun failed"):
+        raise_on_native_crash({"attempt1-rank0.txt": "", "attempt1-rank1.txt": gloo}, "torchrun failed", str(copy))
+    with pytest.raises(AssertionError, match="ran fsdp_overlap_plugin code \\(not rerun\\)") as info:
+        raise_on_native_crash({"attempt1-rank1.txt": ours}, "torchrun failed", str(copy))
+    assert not isinstance(info.value, _dist.NativeCrash)
+    # the same frame is not ours when the processes imported some other copy
+    with pytest.raises(_dist.NativeCrash):
+        raise_on_native_crash({"attempt1-rank1.txt": ours}, "torchrun failed", str(tmp_path / "other"))
 
 
 class _Reporter:

@@ -16,6 +16,12 @@ One inductor cache directory serves both runs, in this order:
 A rank is SIGKILLed mid-step (after the backward, before the optimizer step) at three
 steps drawn with a fixed seed, rank 1, then 0, then 1; torchrun tears down the other rank
 and restarts both, three times (TORCHELASTIC_RESTART_COUNT 1, 2, 3).
+
+An unplanned crash in native code uses up one of those restarts, and the run fails with
+no wrong result. The soak follows tests/_dist.py's policy for it: each process writes a
+faulthandler file, and a crash outside the package's code reruns the whole soak once
+(fresh directories, a fresh cache), with a ``RerunAfterCrash`` warning, counted in the
+"native-crash reruns" line; a crash on a thread running the package's code never is.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ import random
 import shutil
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from _dist import NativeCrash, RerunAfterCrash, count_rerun, raise_on_native_crash
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1900)]
 
@@ -85,7 +93,11 @@ def _torchrun(
             proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=tmp)
         except subprocess.TimeoutExpired:
             pytest.fail(f"torchrun {name} timed out; its output ends:\n{output.read_text()[-6000:]}")
-    assert proc.returncode == 0, f"torchrun {name} failed ({proc.returncode}):\n{output.read_text()[-6000:]}"
+    if proc.returncode != 0:
+        failure = f"torchrun {name} failed ({proc.returncode}):\n{output.read_text()[-6000:]}"
+        crash_logs = {p.name: p.read_text(errors="replace") for p in sorted((tmp / name / "crashes").glob("*.txt"))}
+        raise_on_native_crash(crash_logs, failure, package_dir=str(package / "fsdp_overlap_plugin"))
+        raise AssertionError(failure)
     return [json.loads(line) for line in result.read_text().splitlines()]
 
 
@@ -171,11 +183,22 @@ def check_soak(clean: list[dict], killed: list[dict], markers: list[str], cache_
             assert killed_done[rank][key] == clean_done[rank][key], (rank, key)
 
 
+def _soak(tmp: Path) -> None:
+    cache = tmp / "inductor_cache"
+    package = _snapshot_package(tmp)
+    clean = _torchrun(tmp, "clean", package, cache, [], timeout=900)  # fills the empty cache
+    killed = _torchrun(tmp, "killed", package, cache, KILLS, timeout=900)  # every attempt on it, warm
+    markers = [p.name for p in (tmp / "killed" / "kills").iterdir()]
+    check_soak(clean, killed, markers, str(cache), str(package / "fsdp_overlap_plugin"))
+
+
 def test_three_kills_resume_bitwise_on_a_warm_cache_with_uneven_shards(tmp_path):
     assert len(set(KILL_STEPS)) == 3
-    cache = tmp_path / "inductor_cache"
-    package = _snapshot_package(tmp_path)
-    clean = _torchrun(tmp_path, "clean", package, cache, [], timeout=900)  # fills the empty cache
-    killed = _torchrun(tmp_path, "killed", package, cache, KILLS, timeout=900)  # every attempt on it, warm
-    markers = [p.name for p in (tmp_path / "killed" / "kills").iterdir()]
-    check_soak(clean, killed, markers, str(cache), str(package / "fsdp_overlap_plugin"))
+    try:
+        _soak(tmp_path / "run")
+    except NativeCrash as crash:
+        # an unplanned crash in gloo's threads (docs/troubleshooting.md): the whole soak once
+        # more from nothing (a fresh cache, so the first run is cold again), counted and shown
+        count_rerun("soak")
+        warnings.warn(f"rerunning the soak after a native crash:\n{crash}", RerunAfterCrash, stacklevel=1)
+        _soak(tmp_path / "rerun")
