@@ -82,8 +82,13 @@ DEFAULT_BUDGET_S = 345  # the issue's bound is 6 minutes; leave room for start-u
 
 # Generated code: a launch, its output-size assert, a wait, and the kernels that count as
 # compute a launch can hide behind (matmuls and attention; inductor's templates too).
-_LAUNCH = re.compile(r"^\s*(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(")
-_SIZE = re.compile(r"assert_size_stride\((buf\d+), \(([\d, ]*)\)")
+# A merged all-gather writes into a buffer allocated before it (out=; passes/merge.py),
+# an unmerged one returns a new buffer whose size inductor asserts.
+_LAUNCH = re.compile(
+    r"^\s*(?:(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\("
+    r"|torch\.ops\._c10d_functional\.all_gather_into_tensor_out\.default\(.*out=(buf\d+)\))"
+)
+_SIZE = re.compile(r"(?:assert_size_stride\(|^\s*)(buf\d+)(?:, | = empty_strided_\w+\()\(([\d, ]*)\)")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
 _COMPUTE = re.compile(
     r"extern_kernels\.(mm|addmm|bmm|baddbmm)\("
@@ -361,7 +366,7 @@ def gather_windows(code: str) -> list[Window]:
     compute: list[int] = []
     for i, line in enumerate(lines):
         if m := _LAUNCH.search(line):
-            launches.append((m.group(1), i))
+            launches.append((m.group(1) or m.group(2), i))
         elif m := _WAIT.search(line):
             waits.setdefault(m.group(1), i)
         elif _COMPUTE.search(line):

@@ -64,6 +64,7 @@ __all__ = [
     "is_impure",
     "min_cut_partition",
     "patch_optimizer_state_dict",
+    "process_group_rank",
     "preserve_node_ordering",
     "register_bucketing_ops",
 ]
@@ -225,6 +226,20 @@ def is_impure(target: Any) -> bool:
         return bool(impure(target, args=(), kwargs={}, impure_random=False))
     except TypeError:  # a torch whose is_impure has no impure_random: it counts random ops as pure
         return bool(impure(target, args=(), kwargs={}))
+
+
+def process_group_rank(group_name: Any) -> int | None:
+    """This process's rank in the process group registered under ``group_name`` (what a
+    functional collective names its group by), or None where no such group exists in
+    this process (a hand-built graph's made-up name, or no process group at all)."""
+    if not isinstance(group_name, str):
+        return None
+    try:
+        from torch._C._distributed_c10d import _resolve_process_group
+
+        return int(_resolve_process_group(group_name).rank())
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 # --------------------------------------------------------------------------- AOT / functorch / dynamo

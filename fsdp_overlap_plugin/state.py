@@ -71,14 +71,17 @@ class OverlapState:
         return _pass_uuid(self)
 
     def cache_key(self) -> str:
-        """``uuid()`` plus this rank's local shard shapes: what our passes report to
-        inductor as their ``uuid()``, and so part of the AOT autograd and FX graph cache
-        keys. AOT autograd keys its cache on the graph Dynamo traced, whose DTensor
-        inputs carry global shapes only; with uneven shards (97 rows on 2 ranks: 49 and
-        48) every rank traces the same graph but compiles different code, and without
-        this a warm cache hands one rank another rank's code. Ranks whose shards have
-        equal shapes still share cache entries."""
-        return hashlib.sha256(f"{self.uuid()}:{self.local_layout}".encode()).hexdigest()[:_DIGEST_CHARS]
+        """``uuid()`` plus this rank's local shard shapes, and its rank where the
+        bucketing pass runs: what our passes report to inductor as their ``uuid()``, and
+        so part of the AOT autograd and FX graph cache keys. AOT autograd keys its cache
+        on the graph Dynamo traced, whose DTensor inputs carry global shapes only; with
+        uneven shards (97 rows on 2 ranks: 49 and 48) every rank traces the same graph
+        but compiles different code, and without this a warm cache hands one rank
+        another rank's code. A merged all-gather writes the rank's shards at the rank's
+        offset of its output (``passes/merge.py``), so with bucketing on the compiled
+        code is the rank's own even when shards are even."""
+        rank = self.rank if self.config.manual_bucketing else ""
+        return hashlib.sha256(f"{self.uuid()}:{self.local_layout}:{rank}".encode()).hexdigest()[:_DIGEST_CHARS]
 
     @property
     def passes_on(self) -> bool:

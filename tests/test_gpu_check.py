@@ -220,6 +220,26 @@ def test_gather_windows_read_launch_wait_compute_and_size():
     assert gc.check_code_order(SYNTHETIC, [16384, 100, 100], [False, False, True], "forward") == []
 
 
+def test_gather_windows_read_merged_all_gathers_that_write_into_their_output():
+    """A merged all-gather (passes/merge.py) fills a buffer allocated before it (out=), as
+    inductor generates it (copied from a CPU run; the CUDA allocator is named the same way)."""
+    code = textwrap.dedent(
+        """\
+        buf0 = empty_strided_cuda((20480, ), (1, ), torch.float32)
+        cpp_fused_cat_copy_slice_0(arg0_1, arg1_1, buf0)
+        torch.ops._c10d_functional.all_gather_into_tensor_out.default(reinterpret_tensor(buf0, (10240, ), (1, ), 10240), 2, '0', out=buf0)
+        buf9 = empty_strided_cuda((49984, ), (1, ), torch.float32)
+        torch.ops._c10d_functional.all_gather_into_tensor_out.default(reinterpret_tensor(buf9, (24992, ), (1, ), 24992), 2, '0', out=buf9)
+        torch.ops._c10d_functional.wait_tensor.default(buf0)
+        extern_kernels.mm(buf2, buf0, out=buf3)
+        torch.ops._c10d_functional.wait_tensor.default(buf9)
+        """
+    )  # fmt: skip
+    windows = gc.gather_windows(code)
+    assert [(w.buf, w.numel, w.compute) for w in windows] == [("buf0", 20480, 0), ("buf9", 49984, 1)]
+    assert gc.check_code_order(code, [20480, 49984], [False, True], "forward") == []
+
+
 def test_code_order_checker_reports_each_kind_of_problem():
     check = gc.check_code_order
     assert check(SYNTHETIC, [16384, 100], [False] * 2, "forward") == [
@@ -298,11 +318,12 @@ def test_code_order_checker_catches_a_late_prefetch_in_real_code(cpu_code):
     code = result["codes"][0]
     windows = gc.gather_windows(code)
     lines = code.splitlines()
-    # move blocks.1's launch (and its size assert) to just after blocks.0's wait
+    # move blocks.1's launch to just after blocks.0's wait (a merged all-gather writes into
+    # its out= buffer, an unmerged one's size assert follows it and moves with it)
     launch = windows[2].launch
-    assert "assert_size_stride" in lines[launch + 1]
-    moved = lines[launch : launch + 2]
-    del lines[launch : launch + 2]
+    assert "all_gather_into_tensor_out" in lines[launch] and f"out={windows[2].buf})" in lines[launch]
+    moved = lines[launch : launch + 1]
+    del lines[launch : launch + 1]
     wait = next(i for i, line in enumerate(lines) if f"wait_tensor.default({windows[1].buf})" in line)
     lines[wait + 1 : wait + 1] = moved
     expected = result["expected"]

@@ -436,3 +436,44 @@ def test_reduce_scatter_as_all_to_all_computes_the_same(first):
     assert stats["rewritten"] == (4 if first == "both" else 8)
     assert not any(is_reduce_scatter(n) for n in after.graph.nodes)
     assert_same_outputs(before, after)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_merged_all_gather_writes_this_ranks_shards_into_its_slot_of_the_output(rank):
+    """With a process group for the graph's group, a merged all-gather is FSDP2's: the
+    shards are copied into slot ``rank`` of a fresh output buffer and the collective fills
+    it in place (no separate input buffer alive during the collective). The copy-in is not
+    a barrier: the gradient pass still moves reduce-scatters across it."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_overlap_plugin.passes.graph import COPY_IN_KEY, is_barrier
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        gm = fsdp_forward_graph(dtype=torch.float64)  # group "0": the fake default group
+        inputs = random_inputs(gm)  # float64, the dtype of the buffer the merge allocates
+        before = simulate(copy.deepcopy(gm), inputs)
+        manual_bucketing(gm, PLAN)
+    finally:
+        dist.destroy_process_group()
+    gathers = [n for n in gm.graph.nodes if is_all_gather(n)]
+    assert len(gathers) == 4 and all(n.target is C10D.all_gather_into_tensor_out.default for n in gathers)
+    total = 2 * 8 * 8 // 2  # two [8, 8] weights per block, half of each per rank
+    for ag in gathers:
+        filled, world, _ = ag.args
+        out = ag.kwargs["out"]
+        assert world == 2 and out.target is aten.empty.memory_format and out.args == ([2 * total],)
+        assert filled.target is aten.copy_.default and filled.meta[COPY_IN_KEY] and not is_barrier(filled)
+        slot, cat = filled.args
+        assert slot.target is aten.slice.Tensor and slot.args == (out, 0, rank * total, (rank + 1) * total)
+        assert cat.target is aten.cat.default
+    assert [torch.equal(a, b) for a, b in zip(before, simulate(gm, inputs))] == [True] * len(before)
+
+
+def test_merged_all_gather_of_a_group_with_no_process_group_gathers_the_concatenated_shards():
+    gm = fsdp_forward_graph()  # no process group here: group "0" names none
+    manual_bucketing(gm, PLAN)
+    gathers = [n for n in gm.graph.nodes if is_all_gather(n)]
+    assert len(gathers) == 4 and all(n.target is C10D.all_gather_into_tensor.default for n in gathers)
+    assert all(n.args[0].target is aten.cat.default for n in gathers)

@@ -75,7 +75,12 @@ def test_traced_backward_waits_sink_below_all_compute(traced):
     assert sum(1 for n in nodes if is_all_gather(n)) == 4
 
 
-_LAUNCH = re.compile(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(")
+# a merged all-gather writes into the buffer it names with out= (passes/merge.py); an
+# unmerged one returns a new buffer
+_LAUNCH = re.compile(
+    r"(?:(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\("
+    r"|torch\.ops\._c10d_functional\.all_gather_into_tensor_out\.default\(.*out=(buf\d+)\))"
+)
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
 _MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
 
@@ -85,7 +90,7 @@ def _windows(code: str) -> list[tuple[int, int, int]]:
     launches, waits, mms = {}, {}, []
     for i, line in enumerate(code.splitlines()):
         if m := _LAUNCH.search(line):
-            launches[m.group(1)] = i
+            launches[m.group(1) or m.group(2)] = i
         elif m := _WAIT.search(line):
             waits.setdefault(m.group(1), i)
         elif _MM.search(line):

@@ -334,8 +334,42 @@ def _twice(rank: int, world: int) -> dict:
             capture = GraphCapture(mp)
             model = fo.parallelize(make_model(seed=3), backend="aot_eager")
             losses = train_sharded(model, rank, world, steps=3)
-        out[run] = {"losses": losses, "graphs": [str(after.graph) for _, _, after in capture.graphs]}
+        out[run] = {
+            "losses": losses,
+            "graphs": [str(after.graph) for _, _, after in capture.graphs],
+            "slots": [_copy_in_slots(after) for _, _, after in capture.graphs],
+            "rank_free": [_without_copy_in_slots(after) for _, _, after in capture.graphs],
+        }
     return out
+
+
+def _copy_in_slots(gm) -> list[tuple]:
+    """(start, end, buffer numel) of each merged all-gather's slot (passes/merge.py)."""
+    from fsdp_overlap_plugin.passes.graph import COPY_IN_KEY
+
+    slots = []
+    for node in gm.graph.nodes:
+        if node.meta.get(COPY_IN_KEY):
+            slot = node.args[0]
+            buffer, dim, start, end = slot.args
+            slots.append((dim, start, end, buffer.args[0][0]))
+    return slots
+
+
+def _without_copy_in_slots(gm) -> str:
+    """The graph's text with each copy-in slot's offsets replaced by the words for them:
+    the one place a pass writes something rank-dependent."""
+    from fsdp_overlap_plugin.passes.graph import COPY_IN_KEY
+
+    text = str(gm.graph)
+    for node in gm.graph.nodes:
+        if node.meta.get(COPY_IN_KEY):
+            slot = node.args[0]
+            buffer, dim, start, end = slot.args
+            text = text.replace(
+                f"args = (%{buffer.name}, {dim}, {start}, {end})", f"args = (%{buffer.name}, {dim}, r*N)"
+            )
+    return text
 
 
 @pytest.mark.slow
@@ -343,8 +377,17 @@ def test_same_seed_same_losses_and_same_graphs_on_every_rank():
     results = run_ranks(_twice)
     for result in results:
         assert result["first"]["losses"] == result["second"]["losses"]  # bitwise, run to run
-    assert results[0]["first"]["graphs"] == results[1]["first"]["graphs"]  # same order on every rank
+    for result in results:
+        assert result["first"]["graphs"] == result["second"]["graphs"]  # run to run, the same graphs
+    # every rank: the same graphs (same schedule), except where a merged all-gather copies
+    # this rank's shards in: slot r of W of its output buffer
+    assert results[0]["first"]["rank_free"] == results[1]["first"]["rank_free"]
     assert len(results[0]["first"]["graphs"]) == 2
+    slots = [result["first"]["slots"] for result in results]
+    assert slots[0] and [len(s) for s in slots[0]] == [len(s) for s in slots[1]]
+    for rank, per_graph in enumerate(slots):
+        for dim, start, end, numel in (slot for graph in per_graph for slot in graph):
+            assert dim == 0 and numel == len(results) * (end - start) and start == rank * (end - start)
 
 
 def test_troubleshooting_lists_every_bad_input_tried():

@@ -213,3 +213,24 @@ def test_accelerate_launch_second_run_is_a_cache_hit(tmp_path, monkeypatch):
     assert cold["report"]["backend"] == "inductor"
     _assert_report_hit(cold, warm)
     assert warm["losses"] == cold["losses"]  # bitwise
+
+
+def test_cache_key_carries_the_rank_only_where_merged_all_gathers_write_at_its_offset():
+    """A merged all-gather copies this rank's shards to offset ``rank * N`` of its output
+    (passes/merge.py): with bucketing on, two ranks with equal shards compile different
+    code, so their cache keys differ; with it off they still share entries. ``uuid()``,
+    which the rank agreement uses, is the same on every rank either way."""
+    import dataclasses
+
+    from fsdp_overlap_plugin.config import OverlapConfig
+    from fsdp_overlap_plugin.state import OverlapState
+
+    def keys(**config):
+        state = OverlapState(OverlapConfig(**config), [["blocks.0"]], "cpu", 2, (2,), local_layout="even")
+        ranks = [dataclasses.replace(state, rank=r) for r in (0, 1)]
+        return [s.cache_key() for s in ranks], [s.uuid() for s in ranks]
+
+    (on0, on1), (uuid0, uuid1) = keys(manual_bucketing=True)
+    assert on0 != on1 and uuid0 == uuid1
+    (off0, off1), _ = keys(manual_bucketing=False)
+    assert off0 == off1

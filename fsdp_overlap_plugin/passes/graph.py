@@ -20,6 +20,7 @@ from .. import _torch_compat as compat
 
 __all__ = [
     "C10D",
+    "COPY_IN_KEY",
     "collective_counts",
     "data_inputs",
     "data_users",
@@ -243,6 +244,7 @@ def is_selection(node: fx.Node) -> bool:
 
 _PREPARATION_OPS = {
     torch.ops.aten.cat.default,
+    torch.ops.aten.empty.memory_format,
     torch.ops.aten.constant_pad_nd.default,
     torch.ops.aten.clone.default,
     torch.ops.aten.contiguous.default,
@@ -260,8 +262,11 @@ _PREPARATION_IDS = frozenset(id(op) for op in _PREPARATION_OPS)
 
 def is_preparation_op(node: fx.Node) -> bool:
     """Data movement that only lays out a collective's input: views, padding,
-    concatenation (bucket copy-in), dtype casts, copies to contiguous memory."""
-    return node.op == "call_function" and (is_view(node) or id(node.target) in _PREPARATION_IDS)
+    concatenation, dtype casts, copies to contiguous memory, a bucket's copy-in into its
+    slot of a fresh output buffer (``COPY_IN_KEY``)."""
+    return node.op == "call_function" and (
+        is_view(node) or id(node.target) in _PREPARATION_IDS or node.meta.get(COPY_IN_KEY, False)
+    )
 
 
 def _mutates(target: Any) -> bool:
@@ -271,8 +276,16 @@ def _mutates(target: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
+#: ``node.meta[COPY_IN_KEY]``: a merged all-gather's copy-in (``passes/merge.py``), a
+#: ``copy_`` into this rank's slot of an output buffer the merge itself allocated. Only the
+#: all-gather that consumes it reads that buffer, so it is not a barrier.
+COPY_IN_KEY = "fsdp_overlap_copy_in"
+
+
 def is_barrier(node: fx.Node) -> bool:
     """A node nothing may be moved across: graph inputs/outputs, mutation, side effects.
+    A merged all-gather's copy-in (``COPY_IN_KEY``) mutates only a buffer private to its
+    all-gather, and is not one.
 
     Collectives and waits are not barriers here: each pass decides which of them it
     owns and which it must respect (an unowned collective on the same group is a
@@ -282,7 +295,7 @@ def is_barrier(node: fx.Node) -> bool:
         return node.op != "get_attr"
     if node.op != "call_function":
         return True
-    if is_collective(node) or is_wait(node):
+    if is_collective(node) or is_wait(node) or node.meta.get(COPY_IN_KEY, False):
         return False
     if is_control_deps(node):
         return True  # an order someone pinned on purpose
