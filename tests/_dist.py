@@ -106,23 +106,40 @@ def package_frames(frames: list[str], package_dir: str | None = None) -> list[st
     return [f for f in frames if (m := _FRAME_FILE.match(f)) and os.path.realpath(m.group(1)).startswith(package)]
 
 
+def fail_if_package_crashed(crash_logs: dict[str, str], failure: str, package_dir: str | None = None) -> None:
+    """A crash on a thread that was running our code is ours to fix, never rerun: raise
+    ``AssertionError`` naming each such crash (``crash_logs`` maps a name to a
+    faulthandler file's text) with the crashing thread's stack, then ``failure``.
+    ``package_dir``: the copy of the package the processes imported, if not this one."""
+    ours = {}
+    for name, text in crash_logs.items():
+        stack = crashing_thread_stack(text)
+        if package_frames(stack, package_dir):
+            ours[name] = stack
+    if ours:
+        raise AssertionError(
+            "a rank crashed in native code while the crashing thread ran fsdp_overlap_plugin code (not rerun):\n"
+            + "".join(
+                f"--- {name}: the crashing thread's stack ---\n" + "\n".join(stack) + "\n"
+                for name, stack in ours.items()
+            )
+            + failure
+        )
+
+
 def raise_on_native_crash(crash_logs: dict[str, str], failure: str, package_dir: str | None = None) -> None:
     """The policy of ``run_ranks`` for processes started some other way (torchrun), each
     with a faulthandler file: ``crash_logs`` maps a file's name to its text, empty where
     the process hit no fatal signal (a SIGKILL writes nothing). Returns when every log is
-    empty; raises ``NativeCrash`` (the caller may rerun) when a process died in native
-    code on a thread that ran none of the package's code (``package_dir``: the copy the
-    processes imported), and ``AssertionError`` (never rerun) when it did."""
+    empty; raises ``AssertionError`` (never rerun) when a crashing thread ran the
+    package's code (``fail_if_package_crashed``), else ``NativeCrash`` (the caller may
+    rerun)."""
     logs = {name: text for name, text in crash_logs.items() if text.strip()}
     if not logs:
         return
-    report = "".join(f"--- {name} ---\n{text[-4000:]}\n" for name, text in logs.items())
-    if any(package_frames(crashing_thread_stack(text), package_dir) for text in logs.values()):
-        raise AssertionError(
-            "a process crashed in native code while the crashing thread ran fsdp_overlap_plugin code "
-            f"(not rerun):\n{report}{failure}"
-        )
-    raise NativeCrash(f"a process crashed in native code (faulthandler's stacks):\n{report}{failure}")
+    report = "".join(f"--- {name} ---\n{text[-4000:]}\n" for name, text in logs.items()) + failure
+    fail_if_package_crashed(logs, report, package_dir)
+    raise NativeCrash(f"a rank crashed in native code (faulthandler's stacks):\n{report}")
 
 
 def _worker(
@@ -217,22 +234,8 @@ def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | 
                 for r, code in silent.items()
             ]
             crashed = [r for r, code in silent.items() if code is not None and -code in NATIVE_CRASHES]
-            ours = {}
-            for r in crashed:
-                stack = crashing_thread_stack(_read(os.path.join(crash_dir, f"rank{r}.txt")))
-                if package_frames(stack):
-                    ours[r] = stack
-            if ours:
-                # a crash on a thread that was running our code is ours to fix: never rerun
-                raise AssertionError(
-                    "a rank crashed in native code while the crashing thread ran fsdp_overlap_plugin code "
-                    "(not rerun):\n"
-                    + "".join(
-                        f"--- rank {r}: the crashing thread's stack ---\n" + "\n".join(stack) + "\n"
-                        for r, stack in ours.items()
-                    )
-                    + "\n".join(errors)
-                )
+            crash_logs = {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in crashed}
+            fail_if_package_crashed(crash_logs, "\n".join(errors))
             raise (NativeCrash if crashed else AssertionError)("a rank failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world)]
 

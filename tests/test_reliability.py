@@ -337,39 +337,26 @@ def _twice(rank: int, world: int) -> dict:
         out[run] = {
             "losses": losses,
             "graphs": [str(after.graph) for _, _, after in capture.graphs],
-            "slots": [_copy_in_slots(after) for _, _, after in capture.graphs],
-            "rank_free": [_without_copy_in_slots(after) for _, _, after in capture.graphs],
+            "rank_free": [_rank_free(after) for _, _, after in capture.graphs],
         }
     return out
 
 
-def _copy_in_slots(gm) -> list[tuple]:
-    """(start, end, buffer numel) of each merged all-gather's slot (passes/merge.py)."""
+def _rank_free(gm) -> tuple[str, list[tuple]]:
+    """The graph's text with each merged all-gather's copy-in slot offsets (the one place
+    a pass writes something rank-dependent, passes/merge.py) replaced by words, and those
+    slots as (dim, start, end, buffer numel)."""
     from fsdp_overlap_plugin.passes.graph import COPY_IN_KEY
 
-    slots = []
+    text, slots = str(gm.graph), []
     for node in gm.graph.nodes:
         if node.meta.get(COPY_IN_KEY):
-            slot = node.args[0]
-            buffer, dim, start, end = slot.args
+            buffer, dim, start, end = node.args[0].args
             slots.append((dim, start, end, buffer.args[0][0]))
-    return slots
-
-
-def _without_copy_in_slots(gm) -> str:
-    """The graph's text with each copy-in slot's offsets replaced by the words for them:
-    the one place a pass writes something rank-dependent."""
-    from fsdp_overlap_plugin.passes.graph import COPY_IN_KEY
-
-    text = str(gm.graph)
-    for node in gm.graph.nodes:
-        if node.meta.get(COPY_IN_KEY):
-            slot = node.args[0]
-            buffer, dim, start, end = slot.args
             text = text.replace(
                 f"args = (%{buffer.name}, {dim}, {start}, {end})", f"args = (%{buffer.name}, {dim}, r*N)"
             )
-    return text
+    return text, slots
 
 
 @pytest.mark.slow
@@ -381,10 +368,11 @@ def test_same_seed_same_losses_and_same_graphs_on_every_rank():
         assert result["first"]["graphs"] == result["second"]["graphs"]  # run to run, the same graphs
     # every rank: the same graphs (same schedule), except where a merged all-gather copies
     # this rank's shards in: slot r of W of its output buffer
-    assert results[0]["first"]["rank_free"] == results[1]["first"]["rank_free"]
+    texts = [[text for text, _ in result["first"]["rank_free"]] for result in results]
+    assert texts[0] == texts[1]
     assert len(results[0]["first"]["graphs"]) == 2
-    slots = [result["first"]["slots"] for result in results]
-    assert slots[0] and [len(s) for s in slots[0]] == [len(s) for s in slots[1]]
+    slots = [[graph_slots for _, graph_slots in result["first"]["rank_free"]] for result in results]
+    assert any(slots[0]) and [len(s) for s in slots[0]] == [len(s) for s in slots[1]]
     for rank, per_graph in enumerate(slots):
         for dim, start, end, numel in (slot for graph in per_graph for slot in graph):
             assert dim == 0 and numel == len(results) * (end - start) and start == rank * (end - start)

@@ -25,8 +25,9 @@ Backward (buckets in reverse; all-gathers exist when parameters were resharded):
 Collectives of modules no plan entry covers are left exactly where they are and
 counted in the statistics. The pass never looks at tensor values or timing, so every
 rank makes the same decisions; the one rank-dependent constant is where a merged
-all-gather copies this rank's shards into its output (``merge.py``). Returns its statistics (``manual_bucketing``); each merged
-collective and its wait carry their bucket in ``node.meta["fsdp_overlap_bucket"]``.
+all-gather copies this rank's shards into its output (``merge.py``). Returns its
+statistics (``manual_bucketing``); each merged collective and its wait carry their
+bucket in ``node.meta["fsdp_overlap_bucket"]``.
 """
 
 from __future__ import annotations

@@ -184,8 +184,8 @@ def merge_all_gathers(
     rank = process_group_rank(group)
     like = first.meta.get("val")
     flats = [builder.call(aten.reshape.default, x, [-1], val=t([n])) for x, n in zip(inputs, numels)]
+    cat = builder.call(aten.cat.default, flats, val=t([total]))
     if rank is None or not isinstance(like, torch.Tensor):
-        cat = builder.call(aten.cat.default, flats, val=t([total]))
         start = builder.call(C10D.all_gather_into_tensor.default, cat, size, group, val=t([size * total]))
     else:
         out = builder.call(
@@ -195,7 +195,6 @@ def merge_all_gathers(
             val=t([size * total]),
         )
         slot = builder.call(aten.slice.Tensor, out, 0, rank * total, (rank + 1) * total, val=t([total]))
-        cat = builder.call(aten.cat.default, flats, val=t([total]))
         filled = builder.call(aten.copy_.default, slot, cat, val=t([total]))
         filled.meta[COPY_IN_KEY] = True  # writes only the fresh ``out``: not a barrier (graph.is_barrier)
         start = builder.call(
