@@ -153,6 +153,7 @@ def _annotate_reshard(gm: fx.GraphModule, state: OverlapState) -> dict:
         keepable=None if config.fullgraph else state.last_bucket,
         keep=config.prefetch_depth if config.manual_bucketing else 1,
         keep_budget=config.max_prefetch_bytes,
+        keep_cover=config.manual_bucketing,
     )
 
 

@@ -203,7 +203,11 @@ class OverlapConfig:
     reshard_last_bucket: bool = False
     """Also reshard the last forward bucket. Off by default: backward starts with exactly
     those parameters, and re-gathering them at once cannot be hidden (FSDP2 keeps the root
-    unsharded for the same reason). Only read when reshard_after_forward is true."""
+    unsharded for the same reason). With manual_bucketing the forward keeps the last
+    prefetch_depth buckets, and one more where those gather fewer bytes than the bucket
+    before them (a final norm and small head before a block: too short a backward to hide
+    the block's re-gather); max_prefetch_bytes limits both. Only read when
+    reshard_after_forward is true."""
 
     param_dtype: str | None = None
     """Dtype parameters are gathered and computed in: "bf16", "fp16", "fp32", or null (keep the

@@ -118,6 +118,8 @@ def reshard_total(graphs: list[dict]) -> dict:
         "kept_gathered": sum(g.get("kept_gathered", 0) for g in graphs),
         "kept_bucket": "; ".join(dict.fromkeys(kept)) or None,
         "kept_buckets": list(dict.fromkeys(str(b) for g in graphs for b in g.get("kept_buckets") or [])),
+        "kept_bytes": sum(g.get("kept_bytes", 0) for g in graphs),
+        "kept_to_cover": any(g.get("kept_to_cover") for g in graphs),
         "tied": [t for g in graphs for t in g.get("tied") or []],
         "graphs": len(graphs),
         "from_cache": all(g.get("from_cache") for g in graphs),
@@ -287,7 +289,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"  reshard after forward: {reshard.get('resharded', 0)} all-gathers re-gathered in backward, "
             f"{reshard.get('kept_gathered', 0)} kept"
             + (
-                f" ({'; '.join(reshard['kept_buckets'])}, for prefetch_depth {report['config']['prefetch_depth']})"
+                f" ({'; '.join(reshard['kept_buckets'])}, for prefetch_depth {report['config']['prefetch_depth']}"
+                + (
+                    ", and one more: the buckets after it gather less, too short a backward to hide its re-gather"
+                    if reshard.get("kept_to_cover")
+                    else ""
+                )
+                + ")"
                 if len(reshard.get("kept_buckets") or []) > 1
                 else (f" ({reshard['kept_bucket']})" if reshard.get("kept_bucket") else "")
             )

@@ -84,9 +84,12 @@ def test_inspect_gpt_small_tree_plan_and_bytes(capsys):
     assert tree["blocks"]["role"] == "container" and tree["blocks"]["params"] == 4 * s["block"]
     assert [tree[f"blocks.{i}"]["bucket"] for i in range(4)] == [1, 2, 3, 4]
     assert tree["head"]["bucket"] == 5 and tree["head"]["params"] == s["head"]
-    # prefetch: at most two adjacent buckets gathered, the first largest pair is two blocks
-    assert out["memory"]["prefetch_peak_bytes"] == 8 * s["block"]
-    assert out["memory"]["prefetch_peak_buckets"] == [1, 2]
+    # prefetch: two adjacent buckets gathered in the forward (two blocks); the backward
+    # starts with the head and blocks.3 kept (the head gathers less than a block) and
+    # blocks.2's re-gather launched: the peak
+    assert out["memory"]["prefetch_peak_bytes"] == 8 * s["block"] + 4 * (s["norm"] + s["head"])
+    assert out["memory"]["prefetch_peak_buckets"] == [3, 4, 5]
+    assert out["memory"]["kept_for_backward"] == [4, 5]
 
 
 def test_inspect_text_shows_tree_bytes_and_auto_plan(capsys):

@@ -16,7 +16,7 @@ from fsdp_overlap_plugin import OverlapConfigError
 from fsdp_overlap_plugin.cli import main
 from fsdp_overlap_plugin.config import OverlapConfig
 from fsdp_overlap_plugin.passes import manual_bucketing
-from fsdp_overlap_plugin.passes.prefetch import prefetch_plan
+from fsdp_overlap_plugin.passes.prefetch import kept_buckets, prefetch_plan
 from fsdp_overlap_plugin.testing import fsdp_backward_graph, fsdp_forward_graph, random_inputs
 
 
@@ -55,6 +55,25 @@ def test_kept_buckets_count_at_the_top_of_backward():
     assert prefetch_plan([4, 4, 4], 2, None, kept=(1, 4)).depths == [1, 2, 2]
     # the kept buckets and the first re-gather over the budget: not launched at the top
     assert prefetch_plan([4, 4, 4], 2, 10, kept=(2, 8)).depths == [0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "depth", "budget", "cover", "kept"),
+    [
+        ([1, 4, 4, 4, 1], 1, None, True, 2),  # a small head before a block: the block stays too
+        ([1, 4, 4, 4, 4], 1, None, True, 1),  # the last bucket hides the next re-gather itself
+        ([1, 4, 4, 4, 1], 2, None, True, 2),  # 1 + 4 kept >= 4: depth alone
+        ([1, 4, 4, 1, 1], 2, None, True, 3),  # two small ones: one block more
+        ([1, 4, 4, 1, 1], 1, None, True, 1),  # the last hides a re-gather of its own size
+        ([1, 4, 4, 2, 1], 1, None, True, 2),  # 1 < 2: one more, and at most one (3 < 4)
+        ([1, 4, 4, 4, 1], 1, 4, True, 1),  # the block does not fit the budget with the head
+        ([1, 4, 4, 4, 1], 1, None, False, 1),  # no bucketing pass: no prefetch to cover
+        ([8], 1, 2, True, 1),  # the last bucket stays whatever the budget
+        ([], 1, None, True, 0),
+    ],
+)
+def test_kept_buckets(sizes, depth, budget, cover, kept):
+    assert kept_buckets(sizes, depth, budget, cover) == kept
 
 
 def test_launch_points_stay_in_issue_order_when_a_big_bucket_limits_depth():
@@ -156,6 +175,33 @@ def test_traced_gpt_forward_depth_2(monkeypatch):
     assert "prefetch (depth 2, budget none): forward depths 1 2 2 2 2 2" in text
 
 
+def test_traced_gpt_keeps_the_last_block_when_the_head_is_smaller(monkeypatch):
+    """Depth 1 (the default): the head bucket gathers less than a block, so blocks.3 stays
+    gathered as well and the backward re-gathers blocks 2, 1, 0 while it computes head and
+    blocks.3. Without the bucketing pass nothing prefetches, and only the head stays."""
+    from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+
+    reports = {}
+    for name, config in {"default": {}, "no_bucketing": {"manual_bucketing": False}}.items():
+        with fake_world(2):
+            GraphCapture(monkeypatch)
+            torch.manual_seed(0)
+            model = gpt_small()
+            fo.parallelize(model, backend="aot_eager", **config)
+            x, y = fixed_batches(1, 2, 16, 256)[0]
+            loss_fn(model(x), y).backward()
+            reports[name] = fo.schedule_report(model)
+    report = reports["default"]
+    assert [b.split(" [")[0] for b in report["reshard"]["kept_buckets"]] == ["bucket 5", "bucket 4"]
+    assert report["reshard"]["kept_to_cover"] and report["reshard"]["kept_bytes"] == (16512 + 49984) * 4
+    assert report["backward"]["after"]["all_gather"] == 3
+    # blocks.2 launches at the top, blocks.1 and .0 one bucket ahead
+    assert report["prefetch"]["backward"]["depths"] == [1, 1, 1]
+    assert "for prefetch_depth 1, and one more: the buckets after it gather less" in fo.format_report(report)
+    plain = reports["no_bucketing"]["reshard"]
+    assert [b.split(" [")[0] for b in plain["kept_buckets"]] == ["bucket 5"] and not plain["kept_to_cover"]
+
+
 # ----------------------------------------------------------- what check prints
 def _check(capsys, *extra):
     code = main(["check", "configs/plugin.yaml", "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", *extra])
@@ -163,8 +209,15 @@ def _check(capsys, *extra):
 
 
 def test_check_prints_the_peak_of_the_depth_and_budget(tmp_path, capsys):
-    block = 49984 * 4  # one GPT block gathered in fp32
-    for depth, budget, held, peak in ((1, None, 2, 2 * block), (2, None, 3, 3 * block), (2, 2 * block, 2, 2 * block)):
+    block, head = 49984 * 4, 16512 * 4  # one GPT block, and the final norm + head, gathered in fp32
+    for depth, budget, held, peak in (
+        # the head bucket gathers less than a block, so blocks.3 stays gathered too and the
+        # backward's top holds head, blocks.3 and blocks.2's re-gather
+        (1, None, 3, 2 * block + head),
+        (2, None, 3, 3 * block),
+        (2, 2 * block, 2, 2 * block),
+        (1, 2 * block, 2, 2 * block),  # within the budget: blocks.2 waits for the head's backward
+    ):
         path = tmp_path / f"c{depth}{budget}.yaml"
         path.write_text(json.dumps({"prefetch_depth": depth, "max_prefetch_bytes": budget}))
         code = main(["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--json"])
@@ -176,4 +229,5 @@ def test_check_prints_the_peak_of_the_depth_and_budget(tmp_path, capsys):
         assert f"holds at most {held} buckets gathered at once" in text
         if depth > 1:
             assert "buckets ahead, per bucket as consumed: forward 1 2 " in text
-            assert "kept gathered)" in text
+        assert "(after buckets 4-5, kept gathered)" in text
+        assert ("bucket 4 stays gathered beyond prefetch_depth" in text) == (depth == 1)

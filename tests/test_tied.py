@@ -84,10 +84,12 @@ def test_tied_weight_is_gathered_once_and_the_report_says_what_happens_in_backwa
     assert report["forward"]["before"]["all_gather"] == 52  # the two reads' gathers are one
     reshard = report["reshard"]
     # counted per parameter: 52 gathered, the last bucket (norm, head) kept, and with it the
-    # tied weight (its head read is in the kept bucket and it is gathered at the forward's end anyway)
+    # tied weight (its head read is in the kept bucket and it is gathered at the forward's end
+    # anyway); blocks.3 too, since the last bucket gathers less than it
     assert reshard["all_gathers"] == 52
     assert reshard["tied"] == [{"param": "tok_emb.weight", "reads": 2, "kept": True}]
-    kept = 2 + 1  # norm's weight and bias, and the tied weight
+    assert reshard["kept_to_cover"] and [b.split(" [")[0] for b in reshard["kept_buckets"]] == ["bucket 5", "bucket 4"]
+    kept = 2 + 1 + 12  # norm's weight and bias, the tied weight, and blocks.3's 12 parameters
     assert (reshard["kept_gathered"], reshard["resharded"]) == (kept, 52 - kept)
     # and the backward graph re-gathers exactly what the untied model does: the tied
     # weight is not re-gathered (the untied embedding's weight is not needed in backward)

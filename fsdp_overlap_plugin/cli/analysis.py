@@ -143,7 +143,11 @@ def _memory(
     forward = prefetch_plan(sizes, depth, budget)
     # backward: the buckets the forward kept gathered are computed first, the others are
     # re-gathered in reverse (the reshard pass keeps the last prefetch_depth that fit)
-    kept = kept_buckets(sizes, depth, budget) if config.reshard_after_forward and not config.reshard_last_bucket else 0
+    kept = (
+        kept_buckets(sizes, depth, budget, cover=config.manual_bucketing)
+        if config.reshard_after_forward and not config.reshard_last_bucket
+        else 0
+    )
     regathered = sizes[: len(sizes) - kept][::-1]
     backward = prefetch_plan(regathered, depth, budget, (kept, sum(sizes[len(sizes) - kept :])))
     peak, window = forward.peak_bytes, forward.peak_buckets

@@ -195,8 +195,8 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
             f"bucket{'s' if held != 1 else ''} gathered at once: peak "
             f"{format_bytes(m['prefetch_peak_bytes'])} (buckets {window}), unsharded, in param_dtype"
         )
-        if config.prefetch_depth > 1 or budget is not None:
-            kept = m["kept_for_backward"]
+        kept = m["kept_for_backward"]
+        if config.prefetch_depth > 1 or budget is not None or len(kept) > 1:
             out.append(
                 f"{'':<8}buckets ahead, per bucket as consumed: "
                 + "; ".join(f"{k} {' '.join(map(str, d)) or '-'}" for k, d in m["prefetch_depths"].items())
@@ -205,6 +205,11 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
                     if kept
                     else ""
                 )
+            )
+        if len(kept) > max(config.prefetch_depth, 1):
+            out.append(
+                f"{'':<8}bucket {kept[0]} stays gathered beyond prefetch_depth: the buckets after it gather "
+                f"less than it does, too short a backward to hide its re-gather"
             )
     else:
         out.append(

@@ -82,13 +82,29 @@ def prefetch_plan(
     return PrefetchPlan(depths, peak, peak_window, peak_top)
 
 
-def kept_buckets(sizes: list[int], depth: int, budget: int | None) -> int:
+def kept_buckets(sizes: list[int], depth: int, budget: int | None, cover: bool = True) -> int:
     """How many of the last buckets (``sizes`` in forward order) the forward keeps gathered
-    for backward: ``depth`` of them as long as their bytes fit ``budget``, the last one
-    always (the reshard pass's rule, ``passes/reshard.py``)."""
+    for backward (the reshard pass's rule, ``passes/reshard.py``): the last one always,
+    then up to ``depth`` in all as long as their bytes fit ``budget``, and one more where
+    those kept gather fewer bytes than the bucket before them (and it fits the budget;
+    ``cover``: only where the backward prefetches, i.e. with the bucketing pass).
+
+    The backward computes the kept buckets while its first re-gather runs, so that
+    re-gather hides only if their compute is about as long as it is. Gathered bytes stand
+    in for compute (a bucket of matmul weights computes in proportion to them): a small
+    last bucket (a final norm and a head over a small vocabulary) before a full block
+    would leave the block's re-gather exposed, so the block stays gathered too.
+
+        sizes 1 4 4 4 1, depth 1  -> 2 (1 < 4: the last block stays as well)
+        sizes 1 4 4 4 4, depth 1  -> 1
+        sizes 1 4 4 4 1, depth 2  -> 2 (5 >= 4)
+        sizes 1 4 4 4 1, depth 1, budget 4 -> 1
+    """
     count, total = 0, 0
     for size in reversed(sizes):
-        if count >= max(depth, 1) or (count and budget is not None and total + size > budget):
+        if count and budget is not None and total + size > budget:
+            break
+        if count >= max(depth, 1) and (not cover or count > max(depth, 1) or total >= size):
             break
         count, total = count + 1, total + size
     return count

@@ -17,7 +17,10 @@ the forward gathers last (unless ``reshard_last_bucket``): backward starts with 
 those parameters, and re-gathering them at the graph boundary cannot be hidden behind
 anything. FSDP2 keeps its root unsharded for the same reason. With ``prefetch_depth`` d
 the last d buckets stay (within ``max_prefetch_bytes``), so the backward's first
-re-gathers run while it computes d buckets instead of one. When graph breaks split the
+re-gathers run while it computes d buckets instead of one. With the bucketing pass, one
+more stays where the kept ones gather fewer bytes than the bucket before them (a final
+norm and a small head before a block): their backward is too short to hide that
+block's re-gather (``passes.prefetch.kept_buckets``, measured in benchmarks/RESULTS.md). When graph breaks split the
 forward, each graph is annotated on its own and cannot know whether it is the last one:
 ``keepable`` then names the one bucket that may stay gathered (the plan's last bucket),
 so every other graph reshards all its buckets.
@@ -89,6 +92,7 @@ def annotate_reshard(
     keepable: int | None = None,
     keep: int = 1,
     keep_budget: int | None = None,
+    keep_cover: bool = False,
 ) -> dict:
     """Tag each FSDP all-gather chain of the joint graph to be recomputed or saved.
 
@@ -98,7 +102,8 @@ def annotate_reshard(
     stay gathered into backward (``prefetch_depth``), as long as their gathered bytes fit
     ``keep_budget`` (``max_prefetch_bytes``); the last one always stays. Backward then
     starts with that many buckets to compute while its first re-gathers run, instead of
-    one. Returns statistics: how many all-gathers reshard, how many stay gathered, and
+    one. ``keep_cover``: one more where the kept buckets gather fewer bytes than the one
+    before them (the backward prefetches: the bucketing pass runs). Returns statistics: how many all-gathers reshard, how many stay gathered, and
     which buckets were kept (plan index, or the module path of an unbucketed gather).
     """
     index = BucketIndex(buckets)
@@ -107,7 +112,10 @@ def annotate_reshard(
     kept_keys: list = []
     kept_bytes = 0
     if reshard_after_forward and not reshard_last_bucket and gathers and keepable in (None, keys[-1]):
-        kept_keys, kept_bytes = _last_buckets(gathers, keys, keep if keepable is None else 1, keep_budget)
+        one_graph = keepable is None
+        kept_keys, kept_bytes = _last_buckets(
+            gathers, keys, keep if one_graph else 1, keep_budget, keep_cover and one_graph
+        )
     kept_key = kept_keys[0] if kept_keys else None
     # A tied parameter is gathered once per read here; the partitioner's CSE later merges
     # the gathers into one, which keeps the first one's tag. So one decision per
@@ -138,20 +146,22 @@ def annotate_reshard(
         "kept_bucket": index.describe(kept_key) if kept_key is not None else None,
         "kept_buckets": [index.describe(k) for k in kept_keys],
         "kept_bytes": kept_bytes,
+        # kept one bucket more than prefetch_depth: the ones after it gather fewer bytes
+        "kept_to_cover": len(kept_keys) > max(keep, 1),
         "tied": tied,
     }
     return stats
 
 
-def _last_buckets(gathers: list[fx.Node], keys: list, keep: int, budget: int | None) -> tuple[list, int]:
-    """The keys of the last ``keep`` buckets gathered (last first) whose gathered bytes
-    together fit ``budget``, the very last one always; and their bytes
-    (``passes.prefetch.kept_buckets``, the rule ``check`` applies to plan sizes)."""
+def _last_buckets(gathers: list[fx.Node], keys: list, keep: int, budget: int | None, cover: bool) -> tuple[list, int]:
+    """The keys of the buckets kept gathered (last first) and their bytes:
+    ``passes.prefetch.kept_buckets``, the rule ``check`` applies to plan sizes, on the
+    gathered bytes of this graph's buckets."""
     held: dict = {}
     for node, key in zip(gathers, keys):
         wait = wait_of(node)
         val = wait.meta.get("val") if wait is not None else None
         held[key] = held.get(key, 0) + (val.numel() * val.element_size() if val is not None else 0)
     order = list(dict.fromkeys(reversed(keys)))  # last gathered first
-    kept = order[: kept_buckets([held[key] for key in reversed(order)], keep, budget)]
+    kept = order[: kept_buckets([held[key] for key in reversed(order)], keep, budget, cover)]
     return kept, sum(held[key] for key in kept)
