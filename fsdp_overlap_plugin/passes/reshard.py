@@ -20,9 +20,9 @@ the last d buckets stay (within ``max_prefetch_bytes``), so the backward's first
 re-gathers run while it computes d buckets instead of one. With the bucketing pass, one
 more stays where the kept ones gather fewer bytes than the bucket before them (a final
 norm and a small head before a block): their backward is too short to hide that
-block's re-gather (``passes.prefetch.kept_buckets``, measured in benchmarks/RESULTS.md). When graph breaks split the
-forward, each graph is annotated on its own and cannot know whether it is the last one:
-``keepable`` then names the one bucket that may stay gathered (the plan's last bucket),
+block's re-gather (``passes.prefetch.kept_buckets``, measured in benchmarks/RESULTS.md).
+When graph breaks split the forward, each graph is annotated on its own and cannot know
+whether it is the last one: ``keepable`` then names the one bucket that may stay gathered (the plan's last bucket),
 so every other graph reshards all its buckets.
 """
 
@@ -103,8 +103,9 @@ def annotate_reshard(
     ``keep_budget`` (``max_prefetch_bytes``); the last one always stays. Backward then
     starts with that many buckets to compute while its first re-gathers run, instead of
     one. ``keep_cover``: one more where the kept buckets gather fewer bytes than the one
-    before them (the backward prefetches: the bucketing pass runs). Returns statistics: how many all-gathers reshard, how many stay gathered, and
-    which buckets were kept (plan index, or the module path of an unbucketed gather).
+    before them (the backward prefetches: the bucketing pass runs). Returns statistics:
+    how many all-gathers reshard, how many stay gathered, and which buckets were kept
+    (plan index, or the module path of an unbucketed gather).
     """
     index = BucketIndex(buckets)
     gathers = [n for n in gm.graph.nodes if is_fsdp_all_gather(n)]
