@@ -419,13 +419,14 @@ def expected_gathers(model: Any, plan: list[list[str]], world: int, report: dict
     Forward: one all-gather per bucket, in plan order, each of the bucket's padded size
     (computed from the parameters, independently of the record, which must agree); each
     one after the first hides behind the previous bucket's matmuls when that bucket has any.
-    Backward: every repeated block but the last bucket is re-gathered (reshard after
-    forward), last block first; the record must say so, and its sizes are the expectation
+    Backward: every repeated block but the buckets kept gathered is re-gathered (reshard
+    after forward), last block first; the record must say so, and its sizes are the expectation
     (the backward re-gathers only the parameters it uses: a block's biases are left out);
     each hides behind compute.
     """
     import torch.nn as nn
 
+    from fsdp_overlap_plugin.passes.prefetch import kept_buckets
     from fsdp_overlap_plugin.plan import find_repeated_blocks
 
     has_matmul = [any(isinstance(m, nn.Linear) for f in b for m in model.get_submodule(f).modules()) for b in plan]
@@ -446,11 +447,15 @@ def expected_gathers(model: Any, plan: list[list[str]], world: int, report: dict
     recorded = [e["bytes"] // itemsize for e in fwd_events]
     if fwd_buckets == list(range(len(plan))) and recorded != forward:
         problems.append(f"forward: the passes' all-gathers hold {recorded} elements, the plan {forward}")
-    # reshard after forward: backward re-gathers each block, last first; not the last
-    # bucket (kept gathered), nor the embeddings (their backward needs only the indices)
+    # reshard after forward: backward re-gathers each block, last first; not the buckets
+    # the forward keeps gathered (the last one, and the block before it where the last
+    # gathers fewer bytes: passes.prefetch.kept_buckets at the default prefetch_depth 1,
+    # on the plan's sizes, as `fsdp-overlap check` applies it), nor the embeddings (their
+    # backward needs only the indices)
     found = find_repeated_blocks(model)
     blocks = set(found[1]) if found else set()
-    planned_bwd = [i for i in reversed(range(len(plan) - 1)) if plan[i][0] in blocks]
+    kept = kept_buckets(forward, 1, None, cover=True)
+    planned_bwd = [i for i in reversed(range(len(plan) - kept)) if plan[i][0] in blocks]
     bwd_buckets = [e["bucket"] for e in bwd_events]
     if bwd_buckets != planned_bwd:
         problems.append(f"backward: the passes re-gather buckets {bwd_buckets}, planned {planned_bwd}")

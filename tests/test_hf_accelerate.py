@@ -122,7 +122,11 @@ def test_fsdp_activation_checkpointing_true_checkpoints_each_layer(tmp_path):
     assert report["config"]["activation_checkpointing"] == ["model.layers.0", "model.layers.1"]
     assert report["activation_checkpointing"]["traced"] == ["model.layers.0", "model.layers.1"]
     _assert_bucketed(report, "llama")
-    assert report["backward"]["after"]["all_gather"] == 2  # each layer's bucket re-gathered once
+    # layers.0's bucket re-gathered once; layers.1 stays gathered for the backward beside the
+    # last bucket (the final norm: the lm_head is tied to the embeddings), which gathers less
+    kept = report["reshard"]["kept_buckets"]
+    assert len(kept) == 2 and "'model.layers.1'" in kept[1], kept
+    assert report["backward"]["after"]["all_gather"] == 1
     losses = [result["losses"][str(step)] for step in range(STEPS)]
     reference = run_ranks(_core_reference, STEPS, "llama", ("model.layers.*",), world=2, env={"OMP_NUM_THREADS": "1"})
     assert losses == reference[0], (losses, reference[0])  # bitwise
