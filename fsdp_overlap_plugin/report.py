@@ -285,9 +285,14 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  compile cache: " + _cache_summary(cache))
     reshard = report.get("reshard") or {}
     if reshard:
+        # the forward's resharded gathers are freed after use; the backward re-gathers only
+        # those it reads (the weights of its matmuls, not the embeddings' or most biases):
+        # the backward graph's all-gathers before the passes merged them
+        reads = ((report.get("backward") or {}).get("before") or {}).get("all_gather")
         lines.append(
-            f"  reshard after forward: {reshard.get('resharded', 0)} all-gathers re-gathered in backward, "
-            f"{reshard.get('kept_gathered', 0)} kept"
+            f"  reshard after forward: {reshard.get('resharded', 0)} of the forward's all-gathers freed after use"
+            + (f" (the backward re-gathers the {reads} it reads)" if reads is not None else "")
+            + f", {reshard.get('kept_gathered', 0)} kept"
             + (
                 f" ({'; '.join(reshard['kept_buckets'])}, for prefetch_depth {report['config']['prefetch_depth']}"
                 + (

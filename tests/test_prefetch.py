@@ -197,7 +197,16 @@ def test_traced_gpt_keeps_the_last_block_when_the_head_is_smaller(monkeypatch):
     assert report["backward"]["after"]["all_gather"] == 3
     # blocks.2 launches at the top, blocks.1 and .0 one bucket ahead
     assert report["prefetch"]["backward"]["depths"] == [1, 1, 1]
-    assert "for prefetch_depth 1, and one more: the buckets after it gather less" in fo.format_report(report)
+    text = fo.format_report(report)
+    assert "for prefetch_depth 1, and one more: the buckets after it gather less" in text
+    # 53 gathers in the forward: 15 kept (head bucket 3, blocks.3 12); of the 38 freed the
+    # backward re-gathers only what it reads: 8 per re-gathered block under aot_eager, not
+    # the embeddings (their backward reads the indices alone)
+    assert report["backward"]["before"]["all_gather"] == 3 * 8
+    assert (
+        "reshard after forward: 38 of the forward's all-gathers freed after use"
+        " (the backward re-gathers the 24 it reads), 15 kept (" in text
+    )
     plain = reports["no_bucketing"]["reshard"]
     assert [b.split(" [")[0] for b in plain["kept_buckets"]] == ["bucket 5"] and not plain["kept_to_cover"]
 
