@@ -449,12 +449,18 @@ def expected_gathers(model: Any, plan: list[list[str]], world: int, report: dict
         problems.append(f"forward: the passes' all-gathers hold {recorded} elements, the plan {forward}")
     # reshard after forward: backward re-gathers each block, last first; not the buckets
     # the forward keeps gathered (the last one, and the block before it where the last
-    # gathers fewer bytes: passes.prefetch.kept_buckets at the default prefetch_depth 1,
-    # on the plan's sizes, as `fsdp-overlap check` applies it), nor the embeddings (their
-    # backward needs only the indices)
+    # gathers fewer bytes: passes.prefetch.kept_buckets for the run's prefetch_depth and
+    # budget, on the plan's sizes, as `fsdp-overlap check` applies it), nor the embeddings
+    # (their backward needs only the indices)
     found = find_repeated_blocks(model)
     blocks = set(found[1]) if found else set()
-    kept = kept_buckets(forward, 1, None, cover=True)
+    config = report["config"]
+    kept = kept_buckets(
+        [n * itemsize for n in forward],  # bytes: the budget is in bytes
+        config["prefetch_depth"],
+        config["max_prefetch_bytes"],
+        cover=config["manual_bucketing"],
+    )
     planned_bwd = [i for i in reversed(range(len(plan) - kept)) if plan[i][0] in blocks]
     bwd_buckets = [e["bucket"] for e in bwd_events]
     if bwd_buckets != planned_bwd:
