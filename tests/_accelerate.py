@@ -6,9 +6,12 @@ import os
 import re
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from _dist import NativeCrash, RerunAfterCrash, count_rerun, raise_on_launcher_crash
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_train.py"
@@ -27,17 +30,61 @@ def launch_env() -> dict[str, str]:
     nothing a launcher or an earlier test exported (no CPU override, no config, no rank)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # PYTHONFAULTHANDLER: a rank killed in native code writes every thread's Python stack
+    # to stderr, which _launch reads to decide whether the crash may be rerun
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     for name in ("ACCELERATE_USE_CPU", "FSDP_OVERLAP_CONFIG", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
         env.pop(name, None)
     return env
 
 
+def _launch(
+    cmd: list[str], cwd: Path, timeout: float, crash_reruns: int, before_rerun: Callable[[], None] | None
+) -> subprocess.CompletedProcess:
+    """``cmd`` (a command that starts ranks through torch's elastic launcher) with the
+    native-crash policy of ``_dist.run_ranks``: when it fails because a rank was killed by
+    a signal in native code while running no fsdp_overlap_plugin code (gloo's teardown
+    aborts, docs/troubleshooting.md), it runs again, at most ``crash_reruns`` times, each
+    with a warning showing the crash and counted in the rerun log; ``before_rerun`` first
+    removes what the crashed run left that would change the next (a compile cache the
+    test expects cold). A crash on a thread running the package's code raises at once;
+    any other failure is returned for the test to show."""
+    for attempt in range(crash_reruns + 1):
+        proc = subprocess.run(
+            cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if proc.returncode == 0:
+            return proc
+        text = output(proc)
+        try:
+            raise_on_launcher_crash(
+                text, f"{' '.join(cmd)} failed ({proc.returncode}); its output ends:\n{text[-6000:]}"
+            )
+        except NativeCrash as crash:
+            if attempt == crash_reruns:
+                return proc
+            count_rerun(f"{Path(cmd[0]).name} {cmd[1]}")
+            warnings.warn(
+                f"rerunning {Path(cmd[0]).name} {cmd[1]} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=3
+            )
+            if before_rerun is not None:
+                before_rerun()
+            continue
+        return proc
+    raise AssertionError("unreachable")
+
+
 def accelerate_launch(
-    config: str | Path, *script_args: str, script: Path = EXAMPLE, timeout: float = 600
+    config: str | Path,
+    *script_args: str,
+    script: Path = EXAMPLE,
+    timeout: float = 600,
+    crash_reruns: int = 1,
+    before_rerun: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file CONFIG --num_processes 2 SCRIPT ARGS`` (by default
-    examples/accelerate_train.py), run from the repository root as a user would."""
+    examples/accelerate_train.py), run from the repository root as a user would; a run
+    that a native crash outside the package's code failed is repeated (``_launch``)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [
         str(accelerate),
@@ -48,17 +95,16 @@ def accelerate_launch(
         "2",
         str(script.relative_to(ROOT)),
     ]
-    return subprocess.run(
-        [*cmd, *script_args], cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return _launch([*cmd, *script_args], ROOT, timeout, crash_reruns, before_rerun)
 
 
-def fsdp_overlap(*argv: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
-    """The ``fsdp-overlap`` console script with ``argv``, from ``cwd``, as a user would run it."""
+def fsdp_overlap(
+    *argv: str, cwd: Path = ROOT, timeout: float = 600, crash_reruns: int = 1
+) -> subprocess.CompletedProcess:
+    """The ``fsdp-overlap`` console script with ``argv``, from ``cwd``, as a user would run
+    it; ``fsdp-overlap launch`` gets ``accelerate_launch``'s native-crash rerun."""
     command = Path(sys.executable).with_name("fsdp-overlap")
-    return subprocess.run(
-        [str(command), *argv], cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return _launch([str(command), *argv], cwd, timeout, crash_reruns, None)
 
 
 def output(proc: subprocess.CompletedProcess) -> str:

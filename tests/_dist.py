@@ -142,6 +142,46 @@ def raise_on_native_crash(crash_logs: dict[str, str], failure: str, package_dir:
     raise NativeCrash(f"a rank crashed in native code (faulthandler's stacks):\n{report}")
 
 
+# One failure in the summary a torch elastic launcher (torchrun, ``accelerate launch``)
+# prints when a rank failed: "rank      : 0 (local_rank: 0)" then "exitcode  : -6 (pid: 7)".
+_LAUNCHER_FAILURE = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+) \(pid: \d+\)", re.M)
+
+
+def launcher_native_crashes(text: str) -> dict[int, str]:
+    """``{rank: signal name}`` for each rank that a torch elastic launcher's failure
+    summary in ``text`` reports killed by a fatal signal in native code (SIGSEGV,
+    SIGABRT, ...); the SIGTERM the launcher sends the other ranks is not one."""
+    crashes = {}
+    for rank, code in _LAUNCHER_FAILURE.findall(text):
+        if int(code) < 0 and -int(code) in NATIVE_CRASHES:
+            crashes[int(rank)] = signal.Signals(-int(code)).name
+    return crashes
+
+
+def faulthandler_dumps(text: str) -> list[str]:
+    """Each dump faulthandler wrote into ``text`` (the output of processes run with
+    PYTHONFAULTHANDLER=1): from a "Fatal Python error: " line to the next one or the end."""
+    starts = [m.start() for m in re.finditer(r"^Fatal Python error: ", text, re.M)]
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
+
+
+def raise_on_launcher_crash(text: str, failure: str, package_dir: str | None = None) -> None:
+    """The policy of ``run_ranks`` for a launcher command that failed (``text``: its
+    output, the ranks run with PYTHONFAULTHANDLER=1). Returns when its failure summary
+    names no rank killed by a native signal (an exception, a bad config, a timeout:
+    never rerun); raises ``AssertionError`` when a faulthandler dump's crashing thread
+    ran the package's code; else ``NativeCrash`` (the caller may rerun). A crash with no
+    dump (one at interpreter exit, after faulthandler is disabled) is a NativeCrash."""
+    crashed = launcher_native_crashes(text)
+    if not crashed:
+        return
+    dumps = {f"faulthandler dump {i + 1}": dump for i, dump in enumerate(faulthandler_dumps(text))}
+    fail_if_package_crashed(dumps, failure, package_dir)
+    ranks = ", ".join(f"rank {rank} by {name}" for rank, name in sorted(crashed.items()))
+    shown = "".join(f"--- {name} ---\n{dump[-4000:]}\n" for name, dump in dumps.items()) or "(no faulthandler dump)\n"
+    raise NativeCrash(f"the launcher reports {ranks} in native code:\n{shown}{failure}")
+
+
 def _worker(
     rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, env: dict, crash_dir: str
 ) -> None:

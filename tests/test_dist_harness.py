@@ -17,7 +17,14 @@ import conftest
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RerunAfterCrash, crashing_thread_stack, package_frames, raise_on_native_crash, run_ranks
+from _dist import (
+    RerunAfterCrash,
+    crashing_thread_stack,
+    package_frames,
+    raise_on_launcher_crash,
+    raise_on_native_crash,
+    run_ranks,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -232,6 +239,98 @@ def test_crash_logs_of_processes_started_elsewhere_follow_the_same_policy(tmp_pa
     # the same frame is not ours when the processes imported some other copy
     with pytest.raises(_dist.NativeCrash):
         raise_on_native_crash({"attempt1-rank1.txt": ours}, "torchrun failed", str(tmp_path / "other"))
+
+
+def _launcher_failure(rank: int, code: int, signame: str) -> str:
+    """One failure as torch's elastic launcher prints it (accelerate launch, torch 2.13)."""
+    trace = f"Signal {-code} ({signame}) received by PID 17" if code < 0 else "To enable traceback see: ..."
+    return (
+        f"[{rank}]:\n  time      : 2026-12-03_06:54:54\n  host      : localhost\n"
+        f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: 17) {f' ({signame})' if code < 0 else ''}\n"
+        f"  error_file: <N/A>\n  traceback : {trace}\n"
+    )
+
+
+def test_a_launchers_failure_summary_follows_the_same_policy():
+    """accelerate launch's output (the ranks run with PYTHONFAULTHANDLER=1): rank 0
+    aborted in the script, the launcher then sent rank 1 SIGTERM. Rerun (NativeCrash)
+    unless the crashing thread ran the package's code; an exception or a SIGTERM alone is
+    a plain failure, returned to the test."""
+    package = _dist._package_dir()
+    script = '  File "/work/examples/train.py", line 9 in <module>'
+    dump = (
+        "Fatal Python error: Aborted\n\n"
+        'Thread 0x00007f17aee116c0 (most recent call first):\n  File "/usr/lib/python3.11/threading.py", line 982 in run\n\n'
+        f"Current thread 0x00007f17cfe49b80 (most recent call first):\n{script}\n\n"
+        "Extension modules: torch._C (total: 1)\n"
+    )
+    summary = (
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\nexamples/train.py FAILED\n"
+        f"-----\nFailures:\n{_launcher_failure(1, -15, 'SIGTERM')}-----\nRoot Cause (first observed failure):\n"
+        f"{_launcher_failure(0, -6, 'SIGABRT')}=====\n"
+    )
+    assert _dist.launcher_native_crashes(summary) == {0: "SIGABRT"}
+    assert _dist.faulthandler_dumps("rank 0 step 3\n" + dump + dump) == [dump, dump]
+    with pytest.raises(_dist.NativeCrash, match="(?s)rank 0 by SIGABRT in native code.*train.py.*launch failed"):
+        raise_on_launcher_crash("step 3\n" + dump + summary, "launch failed")
+    # no dump at all (an abort at interpreter exit, after faulthandler was disabled)
+    with pytest.raises(_dist.NativeCrash, match="no faulthandler dump"):
+        raise_on_launcher_crash(summary, "launch failed")
+    # the crashing thread in the package: not rerun
+    ours = dump.replace(script, f'  File "{package}/passes/merge.py", line 3 in merge')
+    with pytest.raises(AssertionError, match="ran fsdp_overlap_plugin code \\(not rerun\\)") as info:
+        raise_on_launcher_crash(ours + summary, "launch failed")
+    assert not isinstance(info.value, _dist.NativeCrash)
+    # a Python exception on rank 0 (exit code 1) and the SIGTERM it caused: not a crash
+    plain = summary.replace(_launcher_failure(0, -6, "SIGABRT"), _launcher_failure(0, 1, ""))
+    assert _dist.launcher_native_crashes(plain) == {}
+    raise_on_launcher_crash(plain, "launch failed")
+    # a segmentation fault on either rank, among several failures
+    two = summary + _launcher_failure(2, -11, "SIGSEGV")
+    assert _dist.launcher_native_crashes(two) == {0: "SIGABRT", 2: "SIGSEGV"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["outside", "exit"])
+def test_accelerate_launch_is_rerun_once_after_a_native_crash_outside_the_package(tmp_path, own_rerun_count, where):
+    """The real ``accelerate launch`` (tests/_accelerate.py): rank 0 aborts in the script,
+    or at exit after its work, on the first attempt only; the launch is run again, with a
+    warning and one rerun counted, and the second attempt's result is returned."""
+    import _accelerate
+
+    attempts = tmp_path / "attempts"
+    reruns: list[str] = []
+    script = _accelerate.ROOT / "tests" / "fixtures" / "launch_crash.py"
+    with pytest.warns(RerunAfterCrash) as warned:
+        proc = _accelerate.accelerate_launch(
+            _accelerate.OVERLAP_YAML, "--attempts", str(attempts), "--where", where, script=script,
+            before_rerun=lambda: reruns.append("cleaned"),
+        )  # fmt: skip
+    assert proc.returncode == 0, _accelerate.output(proc)[-4000:]
+    assert attempts.read_text() == "attempt\n" * 2 and reruns == ["cleaned"]
+    assert "rank 0 summed [2.0, 2.0]" in proc.stdout
+    crash = str(warned[0].message)
+    assert "rerunning accelerate launch after a native crash" in crash and "rank 0 by SIGABRT" in crash, crash
+    if where == "outside":  # faulthandler's dump names the script's line
+        assert re.search(r'launch_crash.py", line \d+ in <module>', crash), crash
+    test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+    assert own_rerun_count.entries == [f"{test} (accelerate launch)"]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_crashing_in_package_code_fails_at_once(tmp_path, own_rerun_count, recwarn):
+    import _accelerate
+
+    attempts = tmp_path / "attempts"
+    script = _accelerate.ROOT / "tests" / "fixtures" / "launch_crash.py"
+    with pytest.raises(AssertionError, match="ran fsdp_overlap_plugin code \\(not rerun\\)") as info:
+        _accelerate.accelerate_launch(
+            _accelerate.OVERLAP_YAML, "--attempts", str(attempts), "--where", "package", script=script
+        )
+    assert '_launch_crash.py", line 2 in crash' in str(info.value)
+    assert attempts.read_text() == "attempt\n"  # ran once
+    assert not [w for w in recwarn if issubclass(w.category, RerunAfterCrash)]
+    assert own_rerun_count.entries == []
 
 
 class _Reporter:
