@@ -9,6 +9,7 @@ bitwise identical (float64).
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ from fsdp_overlap_plugin.passes.graph import (
     is_wait,
     module_path,
 )
+from fsdp_overlap_plugin.passes.merge import SPLIT_GATHERED
 from fsdp_overlap_plugin.testing import (
     GraphBuilder,
     SimulatedRank,
@@ -468,7 +470,39 @@ def test_merged_all_gather_writes_this_ranks_shards_into_its_slot_of_the_output(
         slot, cat = filled.args
         assert slot.target is aten.slice.Tensor and slot.args == (out, 0, rank * total, (rank + 1) * total)
         assert cat.target is aten.cat.default
+        # the copy-out: one split_gathered call per bucket, each parameter a view of its piece
+        (wait,) = ag.users
+        (rows,) = wait.users
+        assert rows.target is aten.view.default and rows.args[1] == [2, total]
+        (split,) = rows.users
+        assert split.target is SPLIT_GATHERED and split.args[1] == [8 * 8 // 2, 8 * 8 // 2]
+        pieces = sorted(split.users, key=lambda n: n.args[1])
+        assert [p.args[1] for p in pieces] == [0, 1] and all(p.target is operator.getitem for p in pieces)
+        assert all(next(iter(p.users)).target is aten.view.default for p in pieces)
     assert [torch.equal(a, b) for a, b in zip(before, simulate(gm, inputs))] == [True] * len(before)
+
+
+def test_split_gathered_copies_each_members_columns_out():
+    """The copy-out op (``fsdp_overlap::split_gathered``): contiguous copies of each
+    member's columns of the rank-major rows, equal to the views they replace, and its
+    fake tensor's shapes; the flat buffer can be freed after it."""
+    rows = torch.arange(2 * 7, dtype=torch.float32).view(2, 7)
+    parts = SPLIT_GATHERED(rows, [3, 4])
+    assert [p.shape for p in parts] == [(2, 3), (2, 4)] and all(p.is_contiguous() for p in parts)
+    assert torch.equal(parts[0], rows[:, :3]) and torch.equal(parts[1], rows[:, 3:])
+    assert all(p.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr() for p in parts)
+    # a member [2, 2] sharded on 2 ranks: its full tensor is its piece viewed as [4, 2]
+    shard0, shard1 = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]])
+    gathered = torch.stack(
+        [torch.cat([shard0.reshape(-1), torch.zeros(1)]), torch.cat([shard1.reshape(-1), torch.ones(1)])]
+    )
+    full, _ = SPLIT_GATHERED(gathered, [2, 1])
+    assert torch.equal(full.view(2, 2), torch.cat([shard0, shard1]))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = SPLIT_GATHERED(mode.from_tensor(rows), [3, 4])
+    assert [tuple(f.shape) for f in fake] == [(2, 3), (2, 4)]
 
 
 def test_merged_all_gather_of_a_group_with_no_process_group_gathers_the_concatenated_shards():

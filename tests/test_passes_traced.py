@@ -102,6 +102,21 @@ def _windows(code: str) -> list[tuple[int, int, int]]:
     ]
 
 
+_SPLIT = re.compile(r"torch\.ops\.fsdp_overlap\.split_gathered\.default\(reinterpret_tensor\((buf\d+),")
+
+
+def _copy_outs(code: str) -> list[tuple[int, int]]:
+    """(wait line, copy-out line) of each merged all-gather's buffer in generated code."""
+    waits, splits = {}, {}
+    for i, line in enumerate(code.splitlines()):
+        if m := _WAIT.search(line):
+            waits.setdefault(m.group(1), i)
+        elif m := _SPLIT.search(line):
+            assert m.group(1) not in splits, line  # one copy-out per gathered buffer
+            splits[m.group(1)] = i
+    return [(waits.get(b, -1), i) for b, i in sorted(splits.items(), key=lambda kv: kv[1])]
+
+
 def test_inductor_code_keeps_prefetch_order():
     from torch._inductor.utils import run_and_get_code
 
@@ -119,3 +134,8 @@ def test_inductor_code_keeps_prefetch_order():
     assert all(mms >= 1 for _, _, mms in fwd[2:]), fwd
     bwd = _windows(backward)
     assert len(bwd) == 3 and all(mms >= 1 for _, _, mms in bwd), bwd  # blocks.2-0
+    # each gathered bucket is copied out once, by one extern call after its wait (not a
+    # generated copy kernel per weight and use)
+    for code, gathers in ((forward, 6), (backward, 3)):
+        copies = _copy_outs(code)
+        assert len(copies) == gathers and all(0 <= wait < split for wait, split in copies), copies
