@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -49,7 +50,8 @@ def _launch(
     removes what the crashed run left that would change the next (a compile cache the
     test expects cold). A crash on a thread running the package's code raises at once;
     any other failure is returned for the test to show."""
-    for attempt in range(crash_reruns + 1):
+    what = f"{Path(cmd[0]).name} {cmd[1]}"  # e.g. "accelerate launch"
+    for attempt in itertools.count():
         proc = subprocess.run(
             cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False
         )
@@ -61,17 +63,13 @@ def _launch(
                 text, f"{' '.join(cmd)} failed ({proc.returncode}); its output ends:\n{text[-6000:]}"
             )
         except NativeCrash as crash:
-            if attempt == crash_reruns:
-                return proc
-            count_rerun(f"{Path(cmd[0]).name} {cmd[1]}")
-            warnings.warn(
-                f"rerunning {Path(cmd[0]).name} {cmd[1]} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=3
-            )
-            if before_rerun is not None:
-                before_rerun()
-            continue
+            if attempt < crash_reruns:
+                count_rerun(what)
+                warnings.warn(f"rerunning {what} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=3)
+                if before_rerun is not None:
+                    before_rerun()
+                continue
         return proc
-    raise AssertionError("unreachable")
 
 
 def accelerate_launch(

@@ -12,6 +12,7 @@ import signal
 import threading
 from types import SimpleNamespace
 
+import _accelerate
 import _dist
 import conftest
 import pytest
@@ -241,6 +242,9 @@ def test_crash_logs_of_processes_started_elsewhere_follow_the_same_policy(tmp_pa
         raise_on_native_crash({"attempt1-rank1.txt": ours}, "torchrun failed", str(tmp_path / "other"))
 
 
+LAUNCH_CRASH = _accelerate.ROOT / "tests" / "fixtures" / "launch_crash.py"
+
+
 def _launcher_failure(rank: int, code: int, signame: str) -> str:
     """One failure as torch's elastic launcher prints it (accelerate launch, torch 2.13)."""
     trace = f"Signal {-code} ({signame}) received by PID 17" if code < 0 else "To enable traceback see: ..."
@@ -296,14 +300,11 @@ def test_accelerate_launch_is_rerun_once_after_a_native_crash_outside_the_packag
     """The real ``accelerate launch`` (tests/_accelerate.py): rank 0 aborts in the script,
     or at exit after its work, on the first attempt only; the launch is run again, with a
     warning and one rerun counted, and the second attempt's result is returned."""
-    import _accelerate
-
     attempts = tmp_path / "attempts"
     reruns: list[str] = []
-    script = _accelerate.ROOT / "tests" / "fixtures" / "launch_crash.py"
     with pytest.warns(RerunAfterCrash) as warned:
         proc = _accelerate.accelerate_launch(
-            _accelerate.OVERLAP_YAML, "--attempts", str(attempts), "--where", where, script=script,
+            _accelerate.OVERLAP_YAML, "--attempts", str(attempts), "--where", where, script=LAUNCH_CRASH,
             before_rerun=lambda: reruns.append("cleaned"),
         )  # fmt: skip
     assert proc.returncode == 0, _accelerate.output(proc)[-4000:]
@@ -319,13 +320,10 @@ def test_accelerate_launch_is_rerun_once_after_a_native_crash_outside_the_packag
 
 @pytest.mark.slow
 def test_accelerate_launch_crashing_in_package_code_fails_at_once(tmp_path, own_rerun_count, recwarn):
-    import _accelerate
-
     attempts = tmp_path / "attempts"
-    script = _accelerate.ROOT / "tests" / "fixtures" / "launch_crash.py"
     with pytest.raises(AssertionError, match="ran fsdp_overlap_plugin code \\(not rerun\\)") as info:
         _accelerate.accelerate_launch(
-            _accelerate.OVERLAP_YAML, "--attempts", str(attempts), "--where", "package", script=script
+            _accelerate.OVERLAP_YAML, "--attempts", str(attempts), "--where", "package", script=LAUNCH_CRASH
         )
     assert '_launch_crash.py", line 2 in crash' in str(info.value)
     assert attempts.read_text() == "attempt\n"  # ran once
