@@ -90,13 +90,21 @@ def _aot_eager_scenarios(rank: int, world: int, path: str) -> dict:
         "eager_fully_shard": _run(rank, world, compile=False),
         "tied": _run(rank, world, {"tie_weights": True, "vocab_size": 255}, backend="aot_eager"),
         "bf16": _bf16(rank, world),
+        "bf16 passes off": _bf16(rank, world, passes=False),
     }
 
 
-def _bf16(rank: int, world: int) -> dict:
+def _bf16(rank: int, world: int, passes: bool = True) -> dict:
     torch._dynamo.reset()
     model = make_model()
-    fo.parallelize(model, backend="aot_eager", param_dtype="bf16", reduce_dtype="fp32")
+    fo.parallelize(
+        model,
+        backend="aot_eager",
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        manual_bucketing=passes,
+        overlap_grad_reduce=passes,
+    )
     losses = train_sharded(model, rank, world, steps=8, lr=0.5, same_batch=True)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     return {"losses": losses, "dtypes": dtypes}
@@ -138,6 +146,9 @@ def test_bf16_params_fp32_reduce_trains(aot_eager_results):
     losses = result["losses"]
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.5, losses
+    # the merged collectives' copy-ins convert (fp32 shards -> bf16, bf16 gradients ->
+    # fp32) where each member had a cast of its own with the passes off: the same values
+    assert losses == aot_eager_results["bf16 passes off"]["losses"]
     assert set(result["dtypes"].values()) == {torch.float32}  # master weights stay fp32
 
 

@@ -38,7 +38,7 @@ from fsdp_overlap_plugin.passes.graph import (
     is_wait,
     module_path,
 )
-from fsdp_overlap_plugin.passes.merge import SPLIT_GATHERED
+from fsdp_overlap_plugin.passes.ops import FILL_SLOT, PACK_ROWS, SPLIT_GATHERED
 from fsdp_overlap_plugin.testing import (
     GraphBuilder,
     SimulatedRank,
@@ -197,7 +197,7 @@ def test_merged_reduce_scatter_launches_right_after_its_last_gradient():
     for rs in [n for n in nodes if is_reduce_scatter(n)]:
         bucket = rs.meta["fsdp_overlap_bucket"]
         grads = [n for n in nodes if n.target is aten.mm.default and module_path(n).startswith(f"blocks.{bucket}.")]
-        weight_grads = [g for g in grads if any(u.target in (aten.reshape.default,) for u in g.users)]
+        weight_grads = [g for g in grads if any(u.target is PACK_ROWS for u in g.users)]  # the merged copy-in
         last = max(weight_grads, key=nodes.index)
         between = nodes[nodes.index(last) + 1 : nodes.index(rs)]
         assert between and all(n.meta.get("fsdp_overlap_bucket") == bucket for n in between), between
@@ -442,14 +442,15 @@ def test_reduce_scatter_as_all_to_all_computes_the_same(first):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_merged_all_gather_writes_this_ranks_shards_into_its_slot_of_the_output(rank):
-    """With a process group for the graph's group, a merged all-gather is FSDP2's: the
-    shards are copied into slot ``rank`` of a fresh output buffer and the collective fills
-    it in place (no separate input buffer alive during the collective). The copy-in is not
-    a barrier: the gradient pass still moves reduce-scatters across it."""
+    """With a process group for the graph's group, a merged all-gather is FSDP2's: one
+    call of ``fsdp_overlap::fill_slot`` copies the shards into slot ``rank`` of a fresh
+    output buffer and the collective fills it in place (no separate input buffer alive
+    during the collective). The copy-in is not a barrier: the gradient pass still moves
+    reduce-scatters across it."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_overlap_plugin.passes.graph import COPY_IN_KEY, is_barrier
+    from fsdp_overlap_plugin.passes.graph import is_barrier, is_preparation_op
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     try:
@@ -463,13 +464,13 @@ def test_merged_all_gather_writes_this_ranks_shards_into_its_slot_of_the_output(
     assert len(gathers) == 4 and all(n.target is C10D.all_gather_into_tensor_out.default for n in gathers)
     total = 2 * 8 * 8 // 2  # two [8, 8] weights per block, half of each per rank
     for ag in gathers:
-        filled, world, _ = ag.args
+        slot, world, _ = ag.args
         out = ag.kwargs["out"]
-        assert world == 2 and out.target is aten.empty.memory_format and out.args == ([2 * total],)
-        assert filled.target is aten.copy_.default and filled.meta[COPY_IN_KEY] and not is_barrier(filled)
-        slot, cat = filled.args
+        assert world == 2 and out.target is FILL_SLOT and not is_barrier(out) and is_preparation_op(out)
+        shards, size, slot_rank, dtype = out.args
+        assert size == 2 and slot_rank == rank and dtype == torch.float64
+        assert [s.op for s in shards] == ["placeholder", "placeholder"]  # the shards themselves
         assert slot.target is aten.slice.Tensor and slot.args == (out, 0, rank * total, (rank + 1) * total)
-        assert cat.target is aten.cat.default
         # the copy-out: one split_gathered call per bucket, each parameter a view of its piece
         (wait,) = ag.users
         (rows,) = wait.users
@@ -480,6 +481,45 @@ def test_merged_all_gather_writes_this_ranks_shards_into_its_slot_of_the_output(
         assert [p.args[1] for p in pieces] == [0, 1] and all(p.target is operator.getitem for p in pieces)
         assert all(next(iter(p.users)).target is aten.view.default for p in pieces)
     assert [torch.equal(a, b) for a, b in zip(before, simulate(gm, inputs))] == [True] * len(before)
+
+
+def test_merged_reduce_scatter_packs_the_gradients_in_one_call():
+    """A merged reduce-scatter's input is one ``fsdp_overlap::pack_rows`` call on the
+    gradients themselves (row r: rank r's chunk of each), outputs bitwise unchanged."""
+    gm = fsdp_backward_graph(dtype=torch.float64)
+    before = copy.deepcopy(gm)
+    manual_bucketing(gm, PLAN)
+    scatters = [n for n in gm.graph.nodes if is_reduce_scatter(n)]
+    assert len(scatters) == 4
+    for rs in scatters:
+        packed = rs.args[0]
+        assert packed.target is PACK_ROWS and packed.args[1:] == (2, torch.float64)
+        assert [g.target for g in packed.args[0]] == [aten.mm.default, aten.mm.default]  # the weight gradients
+    assert_same_outputs(before, gm, dtype=torch.float64)
+
+
+def test_fill_slot_and_pack_rows_lay_out_a_merged_collectives_input():
+    """The copy-in ops' values, their conversion to the collective's dtype (the same
+    rounding as ``.to``), and their fake tensors' shapes."""
+    a, b = torch.randn(2, 3), torch.randn(5)
+    out = FILL_SLOT([a, b], 3, 1, torch.float32)
+    assert out.shape == (3 * 11,) and torch.equal(out[11:22], torch.cat([a.reshape(-1), b]))
+    half = FILL_SLOT([a, b], 2, 0, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half[:11], torch.cat([a.reshape(-1), b]).to(torch.bfloat16))
+    g1, g2 = torch.randn(4, 3), torch.randn(2)  # on 2 ranks: chunks of 6 and 1 elements
+    rows = PACK_ROWS([g1, g2], 2, torch.float32).view(2, 7)
+    assert torch.equal(rows[0], torch.cat([g1[:2].reshape(-1), g2[:1]]))
+    assert torch.equal(rows[1], torch.cat([g1[2:].reshape(-1), g2[1:]]))
+    bf = [g1.to(torch.bfloat16), g2.to(torch.bfloat16)]
+    wide = PACK_ROWS(bf, 2, torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.view(2, 7), rows.to(torch.bfloat16).float())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake_out = FILL_SLOT([mode.from_tensor(a), mode.from_tensor(b)], 2, 1, torch.bfloat16)
+        fake_rows = PACK_ROWS([mode.from_tensor(t) for t in bf], 2, torch.float32)
+    assert (tuple(fake_out.shape), fake_out.dtype) == ((22,), torch.bfloat16)
+    assert (tuple(fake_rows.shape), fake_rows.dtype) == ((14,), torch.float32)
 
 
 def test_split_gathered_copies_each_members_columns_out():

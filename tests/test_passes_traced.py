@@ -139,3 +139,36 @@ def test_inductor_code_keeps_prefetch_order():
     for code, gathers in ((forward, 6), (backward, 3)):
         copies = _copy_outs(code)
         assert len(copies) == gathers and all(0 <= wait < split for wait, split in copies), copies
+        # and copied in by one extern call each, every gradient bucket packed by one call
+        assert code.count("torch.ops.fsdp_overlap.fill_slot.default(") == gathers
+    assert backward.count("torch.ops.fsdp_overlap.pack_rows.default(") == 6
+    assert "fsdp_overlap.pack_rows" not in forward
+
+
+def test_merged_copy_ins_convert_instead_of_a_cast_per_member(monkeypatch):
+    """param_dtype bf16, reduce_dtype fp32: the merged all-gather's copy-in takes the fp32
+    shards and writes bf16 (no cast of its own per shard, as traced before the passes),
+    the merged reduce-scatter's takes the bf16 gradients and writes fp32."""
+    from fsdp_overlap_plugin.passes.ops import FILL_SLOT, PACK_ROWS
+
+    casts = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+    capture = GraphCapture(monkeypatch)
+    with fake_world(2):
+        torch.manual_seed(0)
+        model = gpt_small()
+        fo.parallelize(model, backend="aot_eager", bucket_plans=ISSUE_PLAN, param_dtype="bf16", reduce_dtype="fp32")
+        _step(model)
+    before = capture.get("forward", "before")
+    assert sum(1 for n in before.graph.nodes if is_all_gather(n) and n.args[0].target in casts) == 53
+    for kind, op, source_dtype, dtype, count in (
+        ("forward", FILL_SLOT, torch.float32, torch.bfloat16, 6),
+        ("backward", FILL_SLOT, torch.float32, torch.bfloat16, 3),
+        ("backward", PACK_ROWS, torch.bfloat16, torch.float32, 6),
+    ):
+        gm = capture.get(kind, "after")
+        calls = [n for n in gm.graph.nodes if n.target is op]
+        assert len(calls) == count, kind
+        for call in calls:
+            members, target_dtype = call.args[0], call.args[-1]
+            assert target_dtype == dtype and {m.meta["val"].dtype for m in members} == {source_dtype}, call
+            assert not any(m.target in casts for m in members)

@@ -343,20 +343,26 @@ def _twice(rank: int, world: int) -> dict:
 
 
 def _rank_free(gm) -> tuple[str, list[tuple]]:
-    """The graph's text with each merged all-gather's copy-in slot offsets (the one place
-    a pass writes something rank-dependent, passes/merge.py) replaced by words, and those
-    slots as (dim, start, end, buffer numel)."""
-    from fsdp_overlap_plugin.passes.graph import COPY_IN_KEY
+    """The graph's text with the rank-dependent constants of each merged all-gather's
+    copy-in (the one place a pass writes something rank-dependent, passes/merge.py: the
+    rank ``fill_slot`` writes at, and the slot the collective sends) replaced by words,
+    and those slots as (dim, start, end, buffer numel, fill_slot's rank)."""
+    from fsdp_overlap_plugin.passes.ops import FILL_SLOT
 
-    text, slots = str(gm.graph), []
+    lines, slots = [], []
     for node in gm.graph.nodes:
-        if node.meta.get(COPY_IN_KEY):
-            buffer, dim, start, end = node.args[0].args
-            slots.append((dim, start, end, buffer.args[0][0]))
-            text = text.replace(
+        line = node.format_node()
+        if node.target is FILL_SLOT:
+            _, size, rank, _ = node.args
+            line = line.replace(f", {size}, {rank}, ", f", {size}, r, ")
+        elif node.target is torch.ops.aten.slice.Tensor and getattr(node.args[0], "target", None) is FILL_SLOT:
+            buffer, dim, start, end = node.args
+            slots.append((dim, start, end, buffer.meta["val"].numel(), buffer.args[2]))
+            line = line.replace(
                 f"args = (%{buffer.name}, {dim}, {start}, {end})", f"args = (%{buffer.name}, {dim}, r*N)"
             )
-    return text, slots
+        lines.append(line)
+    return "\n".join(lines), slots
 
 
 @pytest.mark.slow
@@ -374,8 +380,9 @@ def test_same_seed_same_losses_and_same_graphs_on_every_rank():
     slots = [[graph_slots for _, graph_slots in result["first"]["rank_free"]] for result in results]
     assert any(slots[0]) and [len(s) for s in slots[0]] == [len(s) for s in slots[1]]
     for rank, per_graph in enumerate(slots):
-        for dim, start, end, numel in (slot for graph in per_graph for slot in graph):
+        for dim, start, end, numel, fill_rank in (slot for graph in per_graph for slot in graph):
             assert dim == 0 and numel == len(results) * (end - start) and start == rank * (end - start)
+            assert fill_rank == rank
 
 
 def test_troubleshooting_lists_every_bad_input_tried():

@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_compat as compat
+from .ops import FILL_SLOT, PACK_ROWS
 
 __all__ = [
     "C10D",
-    "COPY_IN_KEY",
     "collective_counts",
     "data_inputs",
     "data_users",
@@ -243,6 +243,8 @@ def is_selection(node: fx.Node) -> bool:
 
 
 _PREPARATION_OPS = {
+    FILL_SLOT,  # a merged all-gather's copy-in (ops.py)
+    PACK_ROWS,  # a merged reduce-scatter's copy-in
     torch.ops.aten.cat.default,
     torch.ops.aten.empty.memory_format,
     torch.ops.aten.constant_pad_nd.default,
@@ -262,11 +264,8 @@ _PREPARATION_IDS = frozenset(id(op) for op in _PREPARATION_OPS)
 
 def is_preparation_op(node: fx.Node) -> bool:
     """Data movement that only lays out a collective's input: views, padding,
-    concatenation, dtype casts, copies to contiguous memory, a bucket's copy-in into its
-    slot of a fresh output buffer (``COPY_IN_KEY``)."""
-    return node.op == "call_function" and (
-        is_view(node) or id(node.target) in _PREPARATION_IDS or node.meta.get(COPY_IN_KEY, False)
-    )
+    concatenation, dtype casts, copies to contiguous memory, a merged bucket's copy-in."""
+    return node.op == "call_function" and (is_view(node) or id(node.target) in _PREPARATION_IDS)
 
 
 def _mutates(target: Any) -> bool:
@@ -276,16 +275,8 @@ def _mutates(target: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
-#: ``node.meta[COPY_IN_KEY]``: a merged all-gather's copy-in (``passes/merge.py``), a
-#: ``copy_`` into this rank's slot of an output buffer the merge itself allocated. Only the
-#: all-gather that consumes it reads that buffer, so it is not a barrier.
-COPY_IN_KEY = "fsdp_overlap_copy_in"
-
-
 def is_barrier(node: fx.Node) -> bool:
     """A node nothing may be moved across: graph inputs/outputs, mutation, side effects.
-    A merged all-gather's copy-in (``COPY_IN_KEY``) mutates only a buffer private to its
-    all-gather, and is not one.
 
     Collectives and waits are not barriers here: each pass decides which of them it
     owns and which it must respect (an unowned collective on the same group is a
@@ -295,7 +286,7 @@ def is_barrier(node: fx.Node) -> bool:
         return node.op != "get_attr"
     if node.op != "call_function":
         return True
-    if is_collective(node) or is_wait(node) or node.meta.get(COPY_IN_KEY, False):
+    if is_collective(node) or is_wait(node):
         return False
     if is_control_deps(node):
         return True  # an order someone pinned on purpose

@@ -7,37 +7,32 @@ alive while the collective is in flight (it would cost one shard of the bucket p
 gather in flight: 1.5 MiB per block of the benchmark GPT, twice at the start of the
 backward)::
 
-    out = empty([W * N]);  slot = slice(out, 0, r * N, (r + 1) * N)   # r: this rank
-    filled = copy_(slot, cat(reshape(x_j, [-1])))                     # N = sum n_j
-    ag = all_gather_into_tensor_out(filled, W, group, out=out); w = wait(ag)  # rank-major
+    out = fsdp_overlap.fill_slot([x_j], W, r, dtype)   # [W * N], slot r = this rank's shards
+    slot = slice(out, 0, r * N, (r + 1) * N)           # N = sum n_j
+    ag = all_gather_into_tensor_out(slot, W, group, out=out); w = wait(ag)  # rank-major
     rows = view(w, [W, N]); parts = fsdp_overlap.split_gathered(rows, n_j)  # one copy-out
-    out_j = view(parts[j], [W * s_j0, ...])                           # == the old wait_j
+    out_j = view(parts[j], [W * s_j0, ...])            # == the old wait_j
 
 ``r`` makes the rewritten graph differ between ranks (as torch's own
 ``fx_passes/bucketing.py`` merge does), so the compile cache keys carry the rank
 (``OverlapState.cache_key``). Where the group is not a process group of this process
 (hand-built graphs) the rank is unknown, and the functional form is used instead: the
 concatenated shards are the collective's own input,
-``all_gather_into_tensor(cat, W, group)``. Inductor fuses ``copy_(slot, cat(...))`` into
-one kernel that writes the slot, with no buffer for the ``cat``.
-
-The copy-out is one call per bucket, ``fsdp_overlap::split_gathered`` (ATen's
-``split_with_sizes_copy`` along dim 1, as FSDP2 copies a bucket out): each parameter's
-columns of ``rows`` become one contiguous tensor, and the flat buffer dies right after.
-With ``split_with_sizes`` views instead (what torch's own bucketing emits) inductor copied
-each weight out of the strided buffer next to each of its consumers, one generated kernel
-per weight and use (a new offset each, so none is shared): on a 110M Llama, compile time
-with the passes on over passes off went from +27% to +8% (953 -> 783 generated kernels),
-and the step's compute from 1.07 to 0.87 s (benchmarks/RESULTS.md). A custom op keeps
-inductor from decomposing it back into those copies; it is an extern call to ATen's
-kernel, registered when this module is imported (with the package), so a process that
-loads compiled code from the cache has it.
+``all_gather_into_tensor(cat(reshape(x_j, [-1])), W, group)``.
 
 Reduce-scatter of gradients ``y_1..y_m`` (each ``[W * c_j0, ...]``)::
 
-    rows_j = reshape(y_j, [W, -1]); cat = cat(rows_j, dim=1)   # row r = rank r's chunks
-    rs = reduce_scatter_tensor(reshape(cat, [-1]), op, W, group); w = wait(rs)
+    flat = fsdp_overlap.pack_rows([y_j], W, dtype)   # row r of [W, sum c_j] = rank r's chunks
+    rs = reduce_scatter_tensor(flat, op, W, group); w = wait(rs)
     out_j = reshape(split_with_sizes(w, N_j / W)[j], [c_j0, ...])   # == the old wait_j
+
+The copy-in (``fill_slot``, ``pack_rows``) and the copy-out (``split_gathered``) are our
+custom ops (``ops.py``): one extern call per bucket, where ATen nodes had inductor
+generate a copy kernel per member, bucket and use (compile time, benchmarks/RESULTS.md).
+A member that is a dtype cast made only for the collective (``param_dtype`` /
+``reduce_dtype``: ``convert_element_type`` or ``_to_copy(x, dtype=...)`` with the
+collective as its one user) is passed
+uncast, and the op's copy converts (the same rounding), so the cast needs no buffer.
 
 Element positions change only by concatenation, so each output element is reduced from
 the same inputs; on two ranks the sum is bitwise identical (addition of two numbers is
@@ -55,7 +50,8 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import FakeTensor, detect_fake_mode, process_group_rank
-from .graph import C10D, COPY_IN_KEY, group_name, node_args, wait_of
+from .graph import C10D, group_name, node_args, wait_of
+from .ops import FILL_SLOT, PACK_ROWS, SPLIT_GATHERED
 
 __all__ = [
     "SPLIT_GATHERED",
@@ -68,22 +64,8 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-
-
-@torch.library.custom_op("fsdp_overlap::split_gathered", mutates_args=())
-def split_gathered(rows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """A merged all-gather's output ``rows`` (``[W, N]``, rank-major) cut into each
-    member's columns, each copied into a contiguous ``[W, n_j]`` tensor in one call (the
-    copy-out, see the module docstring)."""
-    return list(torch.split_with_sizes_copy(rows, sizes, dim=1))
-
-
-@split_gathered.register_fake
-def _split_gathered_fake(rows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    return [rows.new_empty((rows.shape[0], n)) for n in sizes]
-
-
-SPLIT_GATHERED = torch.ops.fsdp_overlap.split_gathered.default
+_CAST = torch.ops.prims.convert_element_type.default
+_TO_COPY = torch.ops.aten._to_copy.default
 _COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "custom", "seq_nr")
 
 
@@ -157,12 +139,23 @@ def graph_fake_mode(graph: fx.Graph) -> Any:
     return detect_fake_mode(vals) if vals else None
 
 
-def _retire(graph: fx.Graph, launch: fx.Node, replacement: fx.Node, retired: Retired | None, *, reorders: bool) -> None:
+def _retire(
+    graph: fx.Graph,
+    launch: fx.Node,
+    replacement: fx.Node,
+    retired: Retired | None,
+    *,
+    reorders: bool,
+    cast: fx.Node | None = None,
+) -> None:
+    """Replace ``launch``'s wait by ``replacement`` and erase both (now, or with
+    ``retired``), then ``cast``: the member's dtype cast the merged op absorbed."""
     wait = wait_of(launch)
+    dead = [wait, launch] + ([cast] if cast is not None else [])
     if retired is None:
         wait.replace_all_uses_with(replacement)
-        graph.erase_node(wait)
-        graph.erase_node(launch)
+        for node in dead:
+            graph.erase_node(node)
         return
     for user in list(wait.users):
         if user.op == "output":
@@ -170,7 +163,22 @@ def _retire(graph: fx.Graph, launch: fx.Node, replacement: fx.Node, retired: Ret
         else:
             user.replace_input_with(wait, replacement)
             retired.rewired += reorders  # this user may now sit before its new input
-    retired.nodes.extend([wait, launch])
+    retired.nodes.extend(dead)
+
+
+def _uncast(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """``(x, cast)`` when ``node`` only converts a floating ``x`` to another dtype
+    (``convert_element_type``, or ``_to_copy`` with nothing but a dtype) and the
+    collective is its one user: the merged op converts instead. Else ``(node, None)``."""
+    if node.op != "call_function" or len(node.users) != 1 or not node.args:
+        return node, None
+    source = node.args[0]
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+        return node, None
+    if node.target is _CAST or (node.target is _TO_COPY and len(node.args) == 1 and set(node.kwargs) == {"dtype"}):
+        return source, node
+    return node, None
 
 
 class Retired:
@@ -219,22 +227,17 @@ def merge_all_gathers(
     t = builder.tensor
     rank = process_group_rank(group)
     like = first.meta.get("val")
-    flats = [builder.call(aten.reshape.default, x, [-1], val=t([n])) for x, n in zip(inputs, numels)]
-    cat = builder.call(aten.cat.default, flats, val=t([total]))
+    casts: list[fx.Node | None] = [None] * len(gathers)
     if rank is None or not isinstance(like, torch.Tensor):
+        flats = [builder.call(aten.reshape.default, x, [-1], val=t([n])) for x, n in zip(inputs, numels)]
+        cat = builder.call(aten.cat.default, flats, val=t([total]))
         start = builder.call(C10D.all_gather_into_tensor.default, cat, size, group, val=t([size * total]))
     else:
-        out = builder.call(
-            aten.empty.memory_format,
-            [size * total],
-            kwargs={"dtype": like.dtype, "device": like.device},
-            val=t([size * total]),
-        )
+        sources, casts = map(list, zip(*(_uncast(x) for x in inputs)))
+        out = builder.call(FILL_SLOT, sources, size, rank, like.dtype, val=t([size * total]))
         slot = builder.call(aten.slice.Tensor, out, 0, rank * total, (rank + 1) * total, val=t([total]))
-        filled = builder.call(aten.copy_.default, slot, cat, val=t([total]))
-        filled.meta[COPY_IN_KEY] = True  # writes only the fresh ``out``: not a barrier (graph.is_barrier)
         start = builder.call(
-            C10D.all_gather_into_tensor_out.default, filled, size, group, kwargs={"out": out}, val=t([size * total])
+            C10D.all_gather_into_tensor_out.default, slot, size, group, kwargs={"out": out}, val=t([size * total])
         )
     launch_side = len(builder.created)  # from the inputs up to and including the launch
     wait = builder.call(C10D.wait_tensor.default, start, val=t([size * total]))
@@ -246,7 +249,7 @@ def merge_all_gathers(
         full = [size * shape[0], *shape[1:]]
         out = builder.call(aten.view.default, piece, full, val=t(full))
         # launched where the first member was: every user of a member comes later
-        _retire(graph, ag, out, retired, reorders=False)
+        _retire(graph, ag, out, retired, reorders=False, cast=casts[j])
     return MergeResult(start, wait, builder.created[launch_side:])
 
 
@@ -270,9 +273,15 @@ def merge_reduce_scatters(
     chunks = [math.prod(s) // size for s in shapes]
     total = sum(chunks)
     t = builder.tensor
-    rows = [builder.call(aten.reshape.default, y, [size, -1], val=t([size, c])) for y, c in zip(inputs, chunks)]
-    cat = builder.call(aten.cat.default, rows, 1, val=t([size, total]))
-    flat = builder.call(aten.reshape.default, cat, [-1], val=t([size * total]))
+    like = first.meta.get("val")
+    if isinstance(like, torch.Tensor):
+        sources, casts = map(list, zip(*(_uncast(y) for y in inputs)))
+        flat = builder.call(PACK_ROWS, sources, size, like.dtype, val=t([size * total]))
+    else:  # a bare graph without values: ATen's concatenation, which needs no dtype
+        casts = [None] * len(scatters)
+        rows = [builder.call(aten.reshape.default, y, [size, -1], val=t([size, c])) for y, c in zip(inputs, chunks)]
+        cat = builder.call(aten.cat.default, rows, 1, val=t([size, total]))
+        flat = builder.call(aten.reshape.default, cat, [-1], val=t([size * total]))
     start = builder.call(C10D.reduce_scatter_tensor.default, flat, op, size, group, val=t([total]))
     launch_side = len(builder.created)  # from the inputs up to and including the launch
     wait = builder.call(C10D.wait_tensor.default, start, val=t([total]))
@@ -285,7 +294,7 @@ def merge_reduce_scatters(
         out_shape = [shape[0] // size, *shape[1:]]
         out = builder.call(aten.reshape.default, piece, out_shape, val=t(out_shape))
         # launched where the last member was: users of earlier members may come before
-        _retire(graph, rs, out, retired, reorders=True)
+        _retire(graph, rs, out, retired, reorders=True, cast=casts[j])
     return MergeResult(start, wait, builder.created[launch_side:])
 
 
