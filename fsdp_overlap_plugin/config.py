@@ -193,8 +193,9 @@ class OverlapConfig:
     prefetch the next bucket's all-gather while the current bucket computes."""
 
     overlap_grad_reduce: bool = True
-    """Launch each gradient reduce-scatter as soon as its gradient exists, and wait for it only
-    where the reduced gradient is first used."""
+    """Launch each gradient reduce-scatter as soon as its gradient exists, and wait for it where
+    the reduced gradient is first used, or at the latest once the next reduce-scatter on its
+    group has launched (as FSDP2 does: its full-size input is freed there)."""
 
     reshard_after_forward: bool = True
     """Free gathered parameters after forward and re-gather them in backward (less memory,

@@ -254,17 +254,37 @@ def test_bucketing_is_deterministic():
 
 
 # -------------------------------------------------------------- gradient overlap
-def test_grad_overlap_launches_early_and_sinks_waits_to_first_use():
+def test_grad_overlap_launches_early_and_waits_when_the_next_reduce_scatter_launches():
+    """Each launch moves up to its gradient; each wait sinks towards its first use (here
+    the output), but no further than just after the next reduce-scatter's launch on its
+    group: FSDP2's bound, one in flight while the next is issued. Without it every
+    gradient's full-size input stayed alive until the end of the backward."""
     gm = fsdp_backward_graph()
     stats = overlap_grad_reduce(gm)
     assert sequence(gm) == (
-        "AG3 W3 mm RS3 mm AG3 W3 mm RS3 mm AG2 W2 mm RS2 mm AG2 W2 mm RS2 mm "
-        "AG1 W1 mm RS1 mm AG1 W1 mm RS1 mm AG0 W0 mm RS0 mm AG0 W0 mm RS0 mm "
-        "Wrs3 Wrs3 Wrs2 Wrs2 Wrs1 Wrs1 Wrs0 Wrs0"
+        "AG3 W3 mm RS3 mm AG3 W3 mm RS3 Wrs3 mm AG2 W2 mm RS2 Wrs3 mm AG2 W2 mm RS2 Wrs2 mm "
+        "AG1 W1 mm RS1 Wrs2 mm AG1 W1 mm RS1 Wrs1 mm AG0 W0 mm RS0 Wrs1 mm AG0 W0 mm RS0 Wrs0 mm Wrs0"
     )
     assert stats == {"matched": 8, "launches_advanced": 8, "wait_view_nodes_sunk": 7, "waits_sunk": 7}
     nodes = list(gm.graph.nodes)
-    assert nodes[-2].op != "output" and all(is_wait(n) for n in nodes[-9:-1])
+    assert nodes[-2].op != "output" and is_wait(nodes[-2])  # the last one: at its use
+    assert_reduce_scatters_bounded(gm)
+
+
+def assert_reduce_scatters_bounded(gm: fx.GraphModule) -> None:
+    """Reduce-scatter k's wait comes after reduce-scatter k + 1's launch and before
+    k + 2's (at most two in flight, one between launches); the last one's wait comes
+    after every matmul (it sinks to its use, the output)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    launches = [n for n in nodes if is_reduce_scatter(n)]
+    waits = {collective_of_wait(n): index[n] for n in nodes if is_wait(n) and is_reduce_scatter(collective_of_wait(n))}
+    assert len(waits) == len(launches) >= 2
+    for k, launch in enumerate(launches[:-1]):
+        after = index[launches[k + 2]] if k + 2 < len(launches) else len(nodes)
+        assert index[launches[k + 1]] < waits[launch] < after, (k, waits[launch])
+    last_mm = max(i for i, n in enumerate(nodes) if effective_target(n) is aten.mm.default)
+    assert waits[launches[-1]] > last_mm
 
 
 def _reduction_graph(extra=None, group="0"):
@@ -390,7 +410,8 @@ def test_grad_overlap_handles_waits_wrapped_in_control_deps():
     nodes = list(gm.graph.nodes)
     last_mm = max(i for i, n in enumerate(nodes) if effective_target(n) is aten.mm.default)
     rs_waits = [i for i, n in enumerate(nodes) if is_wait(n) and is_reduce_scatter(collective_of_wait(n))]
-    assert len(rs_waits) == 4 and min(rs_waits) > last_mm  # every wait sank below all compute
+    assert len(rs_waits) == 4 and max(rs_waits) > last_mm  # the last wait sank below all compute
+    assert_reduce_scatters_bounded(gm)  # the others to the next launch on their group
     assert_same_outputs(original, gm)
 
 

@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 from _fake import GraphCapture, fake_world
-from test_passes import assert_same_outputs, compute_nodes
+from test_passes import assert_reduce_scatters_bounded, assert_same_outputs, compute_nodes
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 from fsdp_overlap_plugin.passes import manual_bucketing, overlap_grad_reduce, pin_collective_order
-from fsdp_overlap_plugin.passes.graph import is_all_gather, is_reduce_scatter
+from fsdp_overlap_plugin.passes.graph import is_all_gather
 
 ISSUE_PLAN = [["tok_emb", "pos_emb"], "blocks.0", "blocks.1", "blocks.2", "blocks.3", ["norm", "head"]]
 
@@ -60,16 +60,16 @@ def test_traced_graphs_compute_the_same(traced, kind, passes):
     assert sorted(compute_nodes(before)) == sorted(compute_nodes(after))
 
 
-def test_traced_backward_waits_sink_below_all_compute(traced):
+def test_traced_backward_waits_until_the_next_reduce_scatter(traced):
+    """Each bucket's reduce-scatter wait sinks to just after the next bucket's launch
+    (FSDP2's bound), the last one below all compute: not all of them to the end, where
+    every bucket's full-size gradients stayed alive until the backward's last node."""
     gm = copy.deepcopy(traced["backward"])
     manual_bucketing(gm, ISSUE_PLAN)
     stats = overlap_grad_reduce(gm)
     assert stats["matched"] == 6
+    assert_reduce_scatters_bounded(gm)
     nodes = list(gm.graph.nodes)
-    last_mm = max(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default)
-    rs_positions = [i for i, n in enumerate(nodes) if is_reduce_scatter(n)]
-    waits = [nodes.index(next(iter(nodes[i].users))) for i in rs_positions]
-    assert all(w > last_mm for w in waits)
     # re-gathered: blocks.0-2; not the kept last two buckets (norm + head gathers less
     # than blocks.3, so blocks.3 stays too), nor the embeddings (their backward needs
     # only the indices)
@@ -143,6 +143,29 @@ def test_inductor_code_keeps_prefetch_order():
         assert code.count("torch.ops.fsdp_overlap.fill_slot.default(") == gathers
     assert backward.count("torch.ops.fsdp_overlap.pack_rows.default(") == 6
     assert "fsdp_overlap.pack_rows" not in forward
+    # inductor keeps each gradient reduce-scatter's wait before the launch two buckets on
+    # (its full-size buffers die there, not at the end of the backward)
+    scatters = _scatter_windows(backward)
+    assert len(scatters) == 6, scatters
+    for k, (_, wait) in enumerate(scatters[:-2]):
+        assert scatters[k + 1][0] < wait < scatters[k + 2][0], scatters
+
+
+_SCATTER = re.compile(
+    r"(buf\d+) = torch\.ops\._c10d_functional\.(?:all_to_all_single|reduce_scatter_tensor)\.default\("
+)
+
+
+def _scatter_windows(code: str) -> list[tuple[int, int]]:
+    """(launch line, wait line) of each gradient reduce-scatter (or its all-to-all) in
+    generated code, in launch order."""
+    launches, waits = {}, {}
+    for i, line in enumerate(code.splitlines()):
+        if m := _SCATTER.search(line):
+            launches[m.group(1)] = i
+        elif m := _WAIT.search(line):
+            waits.setdefault(m.group(1), i)
+    return [(i, waits[b]) for b, i in sorted(launches.items(), key=lambda kv: kv[1])]
 
 
 def test_merged_copy_ins_convert_instead_of_a_cast_per_member(monkeypatch):
