@@ -153,7 +153,7 @@ def _sink_waits(
 ) -> tuple[list[fx.Node], set[fx.Node]]:
     sinkable = {n for m in matches for n in m.realization}
     by_launch = {m.launch: m for m in matches}
-    in_flight: dict = defaultdict(list)  # group -> the last reduce-scatter launched on it
+    last_launched: dict = {}  # group -> the last reduce-scatter launched on it
     capped: set[fx.Node] = set()  # waits (and views) of reduce-scatters a later one superseded
     index = {n: i for i, n in enumerate(nodes)}
     order: list[fx.Node] = []
@@ -194,13 +194,12 @@ def _sink_waits(
             # FSDP2's bound: launching a reduce-scatter waits for the one before it on
             # the group. Each holds its full-size input (and output) until its wait, so
             # waits sunk to the graph's end would hold every gradient unsharded.
-            flight = in_flight[group_name(node)]
-            for older in flight:
-                for waiting in older.realization:
-                    capped.add(waiting)
-                    if waiting in pending:
-                        flush(waiting)
-            flight[:] = [match]
+            older = last_launched.get(group_name(node))
+            last_launched[group_name(node)] = match
+            for waiting in older.realization if older is not None else ():
+                capped.add(waiting)
+                if waiting in pending:
+                    flush(waiting)
     return order, sunk
 
 

@@ -273,15 +273,9 @@ def merge_reduce_scatters(
     chunks = [math.prod(s) // size for s in shapes]
     total = sum(chunks)
     t = builder.tensor
-    like = first.meta.get("val")
-    if isinstance(like, torch.Tensor):
-        sources, casts = map(list, zip(*(_uncast(y) for y in inputs)))
-        flat = builder.call(PACK_ROWS, sources, size, like.dtype, val=t([size * total]))
-    else:  # a bare graph without values: ATen's concatenation, which needs no dtype
-        casts = [None] * len(scatters)
-        rows = [builder.call(aten.reshape.default, y, [size, -1], val=t([size, c])) for y, c in zip(inputs, chunks)]
-        cat = builder.call(aten.cat.default, rows, 1, val=t([size, total]))
-        flat = builder.call(aten.reshape.default, cat, [-1], val=t([size * total]))
+    dtype = inputs[0].meta["val"].dtype  # the collective's (``_shape`` checked every input has a value)
+    sources, casts = map(list, zip(*(_uncast(y) for y in inputs)))
+    flat = builder.call(PACK_ROWS, sources, size, dtype, val=t([size * total]))
     start = builder.call(C10D.reduce_scatter_tensor.default, flat, op, size, group, val=t([total]))
     launch_side = len(builder.created)  # from the inputs up to and including the launch
     wait = builder.call(C10D.wait_tensor.default, start, val=t([total]))
