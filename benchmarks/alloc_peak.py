@@ -19,6 +19,7 @@ peak and the op that made them.
     python benchmarks/alloc_peak.py                                   # gpt small, batch 8
     python benchmarks/alloc_peak.py --size large --batch 1            # parameters > activations
     python benchmarks/alloc_peak.py --modes fsdp2-eager,both --top 10 --json out.json
+    python benchmarks/alloc_peak.py --size large --batch 1 --set max_prefetch_bytes=14MiB
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import sys
 DEFAULT_MODES = ("fsdp2-eager", "compiled", "bucketing", "grad-overlap", "both+native", "both")
 
 
-def child(mode: str, model: str, size: str, batch: int, top: int) -> dict:
+def child(mode: str, model: str, size: str, batch: int, top: int, overrides: dict | None = None) -> dict:
     """One mode in this (fresh) process: the step's peak and what is alive at it."""
     import torch
     import torch.distributed as dist
@@ -46,7 +47,7 @@ def child(mode: str, model: str, size: str, batch: int, top: int) -> dict:
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    runner = step_time.make_runner(mode, model, size, {}, 0.0, 2)
+    runner = step_time.make_runner(mode, model, size, {}, 0.0, 2, overrides=overrides)
     vocab, seq = step_time.vocab_and_seq(model, size)
     x, y = fixed_batches(1, batch, seq, vocab, seed=7)[0]
     opt = torch.optim.SGD(runner.model.parameters(), lr=0.01)
@@ -85,17 +86,32 @@ def child(mode: str, model: str, size: str, batch: int, top: int) -> dict:
         if running > peak:
             peak, at_peak = running, dict(alive)
     largest = sorted(at_peak.values(), key=lambda a: -a[0])[:top]
+    label = mode + "".join(f" {k}={v}" for k, v in (overrides or {}).items() if mode != "fsdp2-eager")
     return {
-        "mode": mode,
+        "mode": label,
         "peak_mib": peak / 2**20,
         "end_mib": running / 2**20,
         "largest": [{"mib": n / 2**20, "site": site} for n, site in largest],
     }
 
 
+def _setting(item: str) -> tuple[str, object]:
+    """``KEY=VALUE`` from ``--set``: the value as JSON where it parses (2, true, null),
+    else the string (``14MiB``: the config reads byte strings)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. max_prefetch_bytes=14MiB")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def run_fresh(mode: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--size", args.size]
     cmd += ["--batch", str(args.batch), "--top", str(args.top)]
+    for item in args.set:
+        cmd += ["--set", item]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{out.stderr[-4000:]}")
@@ -110,16 +126,25 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated step_time.py modes")
     parser.add_argument("--top", type=int, default=0, help="list the N largest allocations alive at the peak")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key on top of each compiled mode's own, e.g. max_prefetch_bytes=14MiB (repeatable)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    overrides = dict(_setting(item) for item in args.set)
     if args.child:
-        print(json.dumps(child(args.child, args.model, args.size, args.batch, args.top)))
+        print(json.dumps(child(args.child, args.model, args.size, args.batch, args.top, overrides)))
         return
     rows = [run_fresh(mode.strip(), args) for mode in args.modes.split(",") if mode.strip()]
     eager = next((r["peak_mib"] for r in rows if r["mode"] == "fsdp2-eager"), None)
+    settings = "".join(f"; {k}={v} on the compiled modes" for k, v in overrides.items())
     print(
         f"peak tensor memory of one step, MiB (rank 0 of a fake world of 2, {args.model} {args.size}, "
-        f"batch {args.batch}; every allocation and free counted)"
+        f"batch {args.batch}; every allocation and free counted{settings})"
     )
     for r in rows:
         ratio = f"{r['peak_mib'] / eager:8.2f}x eager" if eager else ""

@@ -1099,7 +1099,18 @@ def torch_auto_patch(rate_bps: float) -> dict:
     }
 
 
-def make_runner(mode: str, model_name: str, size: str, runners: dict, rate_bps: float, world: int, plan: str = "auto"):
+def make_runner(
+    mode: str,
+    model_name: str,
+    size: str,
+    runners: dict,
+    rate_bps: float,
+    world: int,
+    plan: str = "auto",
+    overrides: dict | None = None,
+):
+    """One mode's model, parallelized and ready to step. ``overrides``: config keys set
+    on top of a compiled mode's own (``alloc_peak.py --set``)."""
     import fsdp_overlap_plugin as fo
 
     if mode in REPLAYS:
@@ -1127,6 +1138,8 @@ def make_runner(mode: str, model_name: str, size: str, runners: dict, rate_bps: 
     }[mode]
     if plan == "blocks":
         config = {**config, "bucket_plans": block_plan(model_name, model)}
+    if overrides and mode != "fsdp2-eager":
+        config = {**config, **overrides}
     fo.parallelize(model, config)
     patch = torch_auto_patch(rate_bps) if mode == "torch-auto" else None
     return ModelRunner(model, world, patch, loss=loss)

@@ -115,7 +115,9 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
     ),
     PassEntry(
         "overlap_grad_reduce",
-        lambda gm, state: passes.overlap_grad_reduce(gm),
+        lambda gm, state: passes.overlap_grad_reduce(
+            gm, wait_before_copy_in=state.config.max_prefetch_bytes is not None
+        ),
         lambda kind, state: kind == "backward" and state.config.overlap_grad_reduce,
     ),
     PassEntry(

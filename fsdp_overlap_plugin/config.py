@@ -195,7 +195,8 @@ class OverlapConfig:
     overlap_grad_reduce: bool = True
     """Launch each gradient reduce-scatter as soon as its gradient exists, and wait for it where
     the reduced gradient is first used, or at the latest once the next reduce-scatter on its
-    group has launched (as FSDP2 does: its full-size input is freed there)."""
+    group has launched (as FSDP2 does: its full-size input is freed there; under
+    max_prefetch_bytes before the next one packs its input)."""
 
     reshard_after_forward: bool = True
     """Free gathered parameters after forward and re-gather them in backward (less memory,
@@ -267,9 +268,14 @@ class OverlapConfig:
     """Budget of gathered parameter bytes (in param_dtype, per rank) that prefetching may keep
     alive at once: a bucket's all-gather launches as many buckets ahead (up to
     prefetch_depth) as keeps the bucket being consumed, those launched before it and itself
-    within the budget; where even one bucket ahead does not fit it is not prefetched. null:
-    no budget (prefetch_depth alone decides). An integer or a string such as "256MiB".
-    fsdp-overlap check prints the resulting peak."""
+    within the budget; where even one bucket ahead does not fit it is not prefetched. Under a
+    budget the schedule also follows FSDP2's memory order: each prefetch launches after the
+    copy-out of the bucket before it (so the budget is all that is gathered), and each gradient
+    reduce-scatter is waited before the next one's copy-in (one in flight). Without one, a
+    prefetch is queued before that bucket's wait and a reduce-scatter waited after the next
+    launch (faster on a slow link; one bucket more of each at its moment). null: no budget
+    (prefetch_depth alone decides). An integer or a string such as "256MiB". fsdp-overlap
+    check prints the resulting peak."""
 
     rank_check: str = "error"
     """Before the passes reorder anything, every rank compares a fingerprint of each compiled

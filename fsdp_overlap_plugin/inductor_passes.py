@@ -74,6 +74,14 @@ def inductor_options(state: Any, run_passes: Callable, run_reshard: Callable) ->
             config.post_grad_custom_post_pass, OverlapGraphPass(state, run_passes)
         )
         options["reorder_for_peak_memory"] = False
+        # Inductor's buffer reuse keeps a dead buffer for the next allocation of its size
+        # instead of freeing it. Under the passes' schedule (a bucket prefetched while
+        # the one before computes, a reduce-scatter in flight while the next bucket's
+        # gradients are computed) a bucket's dead gradients then lived on across the next
+        # bucket's copy-out: 10 MiB per rank at the step's peak on a 15M GPT at batch 1
+        # (benchmarks/RESULTS.md). Freed at their last use, as in eager; step time at
+        # 300 Mbit unchanged within noise.
+        options["allow_buffer_reuse"] = False
     return options
 
 

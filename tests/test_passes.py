@@ -33,6 +33,7 @@ from fsdp_overlap_plugin.passes.graph import (
     is_all_gather,
     is_collective,
     is_control_deps,
+    is_preparation_op,
     is_reduce_scatter,
     is_view,
     is_wait,
@@ -125,6 +126,26 @@ def test_every_pass_returns_statistics_and_leaves_the_module_to_the_wiring(build
     gm.graph.lint()
 
 
+def test_inductor_frees_dead_buffers_when_the_passes_are_on():
+    """Inductor's buffer reuse (a dead buffer kept for the next allocation of its size)
+    kept a bucket's dead gradients alive across the next bucket's copy-out; with the
+    passes on it is off, and so is the peak-memory reordering that would undo the
+    prefetch order. Passes off: inductor's own settings."""
+    from fsdp_overlap_plugin.config import OverlapConfig
+    from fsdp_overlap_plugin.inductor_passes import inductor_options
+    from fsdp_overlap_plugin.state import OverlapState
+
+    def options(**overrides):
+        config = OverlapConfig.coerce(None, backend="inductor", **overrides)
+        st = OverlapState(config=config, plan=[[p] for p in PLAN], device_type="cpu", world_size=2, mesh_shape=(2,))
+        return inductor_options(st, lambda *a: None, lambda *a: None)
+
+    on = options()
+    assert on["allow_buffer_reuse"] is False and on["reorder_for_peak_memory"] is False
+    off = options(manual_bucketing=False, overlap_grad_reduce=False)
+    assert "allow_buffer_reuse" not in off and "reorder_for_peak_memory" not in off
+
+
 def test_the_wiring_runs_one_list_of_passes_each_where_it_applies():
     from fsdp_overlap_plugin.compile import JOINT_PASSES, POST_GRAD_PASSES
     from fsdp_overlap_plugin.config import OverlapConfig
@@ -180,6 +201,19 @@ def test_forward_buckets_and_prefetches_one_ahead():
     assert (stats["all_gathers_before"], stats["all_gathers_after"], stats["buckets"]) == (8, 4, 4)
 
 
+def test_under_a_budget_prefetch_launches_after_the_copy_out():
+    # with max_prefetch_bytes, bucket k + 1's all-gather launches just after bucket k's
+    # wait and copy-out (FSDP2's order), still before bucket k's compute: bucket k's
+    # gathered buffer and its copies never meet bucket k + 1's buffer
+    gm = fsdp_forward_graph()
+    inputs = random_inputs(gm)
+    expected = simulate(gm, inputs)
+    stats = manual_bucketing(gm, PLAN, max_prefetch_bytes=2 * 512)
+    assert stats["prefetch_depths"] == [1, 1, 1, 1]
+    assert sequence(gm) == "AG0 W0 AG1 mm mm W1 AG2 mm mm W2 AG3 mm mm W3 mm mm"
+    assert all(torch.equal(a, b) for a, b in zip(simulate(gm, inputs), expected))
+
+
 def test_backward_prefetches_and_defers_reduce_scatter_waits():
     gm = fsdp_backward_graph()
     stats = manual_bucketing(gm, PLAN)
@@ -189,7 +223,22 @@ def test_backward_prefetches_and_defers_reduce_scatter_waits():
     assert stats["reduce_scatters_after"] == 4 and stats["deferred_rs_waits"] == 3
 
 
-def test_merged_reduce_scatter_launches_right_after_its_last_gradient():
+def test_backward_under_a_budget_holds_one_bucket_of_each_kind_in_flight():
+    # FSDP2's order: each prefetch after the copy-out of the bucket before it, and
+    # reduce-scatter k's wait deferred over bucket k - 1's compute to just before bucket
+    # k - 1's gradients are packed (one full-size input alive at a time)
+    gm = fsdp_backward_graph()
+    inputs = random_inputs(gm)
+    expected = simulate(gm, inputs)
+    stats = manual_bucketing(gm, PLAN, max_prefetch_bytes=2**20)
+    assert sequence(gm) == (
+        "AG3 mm W3 AG2 mm mm mm RS3 mm W2 AG1 mm mm mm Wrs3 RS2 mm W1 AG0 mm mm mm Wrs2 RS1 mm W0 mm mm mm Wrs1 RS0 Wrs0"
+    )
+    assert stats["deferred_rs_waits"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(simulate(gm, inputs), expected))
+
+
+def test_merged_reduce_scatter_launches_right_after_its_last_gradient_or_the_previous_wait():
     gm = fsdp_backward_graph()
     manual_bucketing(gm, PLAN)
     overlap_grad_reduce(gm)
@@ -199,7 +248,11 @@ def test_merged_reduce_scatter_launches_right_after_its_last_gradient():
         grads = [n for n in nodes if n.target is aten.mm.default and module_path(n).startswith(f"blocks.{bucket}.")]
         weight_grads = [g for g in grads if any(u.target is PACK_ROWS for u in g.users)]  # the merged copy-in
         last = max(weight_grads, key=nodes.index)
-        between = nodes[nodes.index(last) + 1 : nodes.index(rs)]
+        # ... or after the wait of the reduce-scatter before it, where that comes later
+        # (one full-size input in flight at a time)
+        waits = [n for n in nodes[: nodes.index(rs)] if is_wait(n) and is_reduce_scatter(collective_of_wait(n))]
+        start = max([last, *waits[-1:]], key=nodes.index)
+        between = nodes[nodes.index(start) + 1 : nodes.index(rs)]
         assert between and all(n.meta.get("fsdp_overlap_bucket") == bucket for n in between), between
 
 
@@ -224,9 +277,8 @@ def test_separate_gather_group_moves_only_all_gathers():
     assert groups == {("AG", "7"), ("RS", "0")}
 
 
-def test_all_gather_is_issued_before_a_ready_reduce_scatter():
-    # bucket 2's gradient reduce-scatter and bucket 0's prefetch become ready at the
-    # same point (nothing but the wait of bucket 1 between them): gather first
+def _two_bucket_backward():
+    """Backward through blocks 2, 1, 0 (one weight each; bucket 0 has no gradient)."""
     g = GraphBuilder()
     w = [g.placeholder(f"w{i}", (4, 8)) for i in range(3)]
     act, grad = g.placeholder("act", (4, 8)), g.placeholder("tangents_1", (4, 8))
@@ -239,10 +291,33 @@ def test_all_gather_is_issued_before_a_ready_reduce_scatter():
         grad = new_grad
     weight0 = g.gather(w[0], "blocks.0")
     outs.append(g.call(aten.mm.default, grad, weight0, module="blocks.0", backward=True))
-    gm = g.finish(outs)
+    return g.finish(outs)
+
+
+def test_all_gather_is_issued_before_a_ready_reduce_scatter():
+    # bucket 2's gradient reduce-scatter and bucket 0's prefetch become ready at the
+    # same point (nothing but the wait of bucket 1 between them): gather first
+    gm = _two_bucket_backward()
     stats = manual_bucketing(gm, ["blocks.0", "blocks.1", "blocks.2"])
     assert sequence(gm) == "AG2 AG1 W2 mm mm AG0 RS2 W1 mm mm RS1 Wrs2 Wrs1 W0 mm"
     assert stats["gathers_first"] == 1
+    # a budget of one bucket: no prefetch; each all-gather sits right after the
+    # reduce-scatter before it and still goes first
+    gm = _two_bucket_backward()
+    stats = manual_bucketing(gm, ["blocks.0", "blocks.1", "blocks.2"], max_prefetch_bytes=4 * 8 * 4 * 2)
+    assert stats["prefetch_depths"] == [1, 0, 0]
+    assert sequence(gm) == "AG2 W2 mm mm AG1 RS2 W1 mm mm Wrs2 AG0 RS1 Wrs1 W0 mm"
+    assert stats["gathers_first"] == 2
+
+
+def test_all_gather_after_a_copy_out_is_not_hoisted_above_its_wait():
+    # under a budget that fits every prefetch, bucket 0's all-gather follows bucket 1's
+    # wait (and copy-out), which follows bucket 2's reduce-scatter: it stays there
+    gm = _two_bucket_backward()
+    stats = manual_bucketing(gm, ["blocks.0", "blocks.1", "blocks.2"], max_prefetch_bytes=2**20)
+    assert stats["prefetch_depths"] == [1, 1, 1]
+    assert sequence(gm) == "AG2 W2 AG1 mm mm RS2 W1 AG0 mm mm Wrs2 RS1 Wrs1 W0 mm"
+    assert stats["gathers_first"] == 0
 
 
 def test_bucketing_is_deterministic():
@@ -271,20 +346,59 @@ def test_grad_overlap_launches_early_and_waits_when_the_next_reduce_scatter_laun
     assert_reduce_scatters_bounded(gm)
 
 
-def assert_reduce_scatters_bounded(gm: fx.GraphModule) -> None:
+def test_grad_overlap_under_a_budget_waits_before_the_next_copy_in():
+    """wait_before_copy_in (a memory budget): each wait comes just before the next
+    reduce-scatter on its group starts building its input, and no launch moves above
+    the wait before it: one full-size input alive at a time (waiting after the next
+    launch held two)."""
+    gm = fsdp_backward_graph()
+    original = copy.deepcopy(gm)
+    stats = overlap_grad_reduce(gm, wait_before_copy_in=True)
+    assert sequence(gm) == (
+        "AG3 W3 mm RS3 mm AG3 W3 mm Wrs3 RS3 mm AG2 W2 mm Wrs3 RS2 mm AG2 W2 mm Wrs2 RS2 mm "
+        "AG1 W1 mm Wrs2 RS1 mm AG1 W1 mm Wrs1 RS1 mm AG0 W0 mm Wrs1 RS0 mm AG0 W0 mm Wrs0 RS0 mm Wrs0"
+    )
+    assert stats["matched"] == 8 and stats["waits_sunk"] == 7
+    assert_reduce_scatters_bounded(gm, before_copy_in=True)
+    assert_same_outputs(original, gm)
+
+
+def _first_preparation(launch: fx.Node) -> fx.Node:
+    """The first node of the contiguous run before ``launch`` that only builds its input."""
+    chain, node = {launch}, launch
+    while is_preparation_op(node.prev) and node.prev.users and all(u in chain for u in node.prev.users):
+        node = node.prev
+        chain.add(node)
+    return node
+
+
+def assert_reduce_scatters_bounded(gm: fx.GraphModule, before_copy_in: bool = False) -> None:
     """Reduce-scatter k's wait comes after reduce-scatter k + 1's launch and before
-    k + 2's (at most two in flight, one between launches); the last one's wait comes
+    k + 2's (at most two in flight, one between launches); with ``before_copy_in`` (a
+    memory budget) after compute that follows its own launch and before reduce-scatter
+    k + 1's input is built (its copy-in, then its launch). The last one's wait comes
     after every matmul (it sinks to its use, the output)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     launches = [n for n in nodes if is_reduce_scatter(n)]
     waits = {collective_of_wait(n): index[n] for n in nodes if is_wait(n) and is_reduce_scatter(collective_of_wait(n))}
     assert len(waits) == len(launches) >= 2
+    mms = [i for i, n in enumerate(nodes) if effective_target(n) is aten.mm.default]
+    compute = [i for i, n in enumerate(nodes) if _is_compute(n)]
     for k, launch in enumerate(launches[:-1]):
-        after = index[launches[k + 2]] if k + 2 < len(launches) else len(nodes)
-        assert index[launches[k + 1]] < waits[launch] < after, (k, waits[launch])
-    last_mm = max(i for i, n in enumerate(nodes) if effective_target(n) is aten.mm.default)
-    assert waits[launches[-1]] > last_mm
+        if before_copy_in:
+            assert any(index[launch] < i < waits[launch] for i in compute), (k, "no compute overlapped")
+            assert waits[launch] < index[_first_preparation(launches[k + 1])], (k, waits[launch])
+        else:
+            after = index[launches[k + 2]] if k + 2 < len(launches) else len(nodes)
+            assert index[launches[k + 1]] < waits[launch] < after, (k, waits[launch])
+    assert waits[launches[-1]] > max(mms)
+
+
+def _is_compute(node: fx.Node) -> bool:
+    return node.op == "call_function" and not (
+        is_view(node) or is_wait(node) or is_collective(node) or is_preparation_op(node)
+    )
 
 
 def _reduction_graph(extra=None, group="0"):
@@ -399,19 +513,23 @@ def test_tensor_parallel_collectives_are_untouched():
     assert after.index(tp_wait.name) - after.index(tp.name) == before.index(tp_wait.name) - before.index(tp.name)
 
 
-def test_grad_overlap_handles_waits_wrapped_in_control_deps():
+@pytest.mark.parametrize("budget", [None, 2**20])
+def test_grad_overlap_handles_nodes_wrapped_in_control_deps(budget):
     gm = fsdp_backward_graph()
     original = copy.deepcopy(gm)
-    manual_bucketing(gm, PLAN, insert_overlap_deps=True)
-    wrapped = [n for n in gm.graph.nodes if is_control_deps(n) and is_wait(n)]
-    assert wrapped
-    stats = overlap_grad_reduce(gm)
+    manual_bucketing(gm, PLAN, insert_overlap_deps=True, max_prefetch_bytes=budget)
+    # each prefetch launches before the wait of the bucket it follows (under a budget:
+    # before that bucket's compute), and each reduce-scatter's wait comes after the next
+    # launch (under a budget: before the next copy-in)
+    wrapped = {effective_target(n) for n in gm.graph.nodes if is_control_deps(n)}
+    assert wrapped == ({C10D.wait_tensor.default} if budget is None else {aten.mm.default, PACK_ROWS})
+    stats = overlap_grad_reduce(gm, wait_before_copy_in=budget is not None)
     assert stats["matched"] == 4
     nodes = list(gm.graph.nodes)
     last_mm = max(i for i, n in enumerate(nodes) if effective_target(n) is aten.mm.default)
     rs_waits = [i for i, n in enumerate(nodes) if is_wait(n) and is_reduce_scatter(collective_of_wait(n))]
     assert len(rs_waits) == 4 and max(rs_waits) > last_mm  # the last wait sank below all compute
-    assert_reduce_scatters_bounded(gm)  # the others to the next launch on their group
+    assert_reduce_scatters_bounded(gm, before_copy_in=budget is not None)
     assert_same_outputs(original, gm)
 
 
@@ -471,7 +589,7 @@ def test_merged_all_gather_writes_this_ranks_shards_into_its_slot_of_the_output(
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_overlap_plugin.passes.graph import is_barrier, is_preparation_op
+    from fsdp_overlap_plugin.passes.graph import is_barrier
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     try:

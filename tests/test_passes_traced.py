@@ -76,6 +76,17 @@ def test_traced_backward_waits_until_the_next_reduce_scatter(traced):
     assert sum(1 for n in nodes if is_all_gather(n)) == 3
 
 
+def test_traced_backward_under_a_budget_waits_before_the_next_copy_in(traced):
+    """Under a memory budget each reduce-scatter's wait comes before the next bucket's
+    gradients are packed, and the outputs stay the same (float64, simulated ranks)."""
+    gm = copy.deepcopy(traced["backward"])
+    manual_bucketing(gm, ISSUE_PLAN, max_prefetch_bytes=2**30)
+    stats = overlap_grad_reduce(gm, wait_before_copy_in=True)
+    assert stats["matched"] == 6
+    assert_reduce_scatters_bounded(gm, before_copy_in=True)
+    assert_same_outputs(traced["backward"], gm, dtype=torch.float64)
+
+
 # a merged all-gather writes into the buffer it names with out= (passes/merge.py); an
 # unmerged one returns a new buffer
 _LAUNCH = re.compile(
@@ -84,6 +95,7 @@ _LAUNCH = re.compile(
 )
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
 _MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+_KERNEL = re.compile(r"(extern_kernels\.\w+|cpp_fused_\w+)\(")
 
 
 def _windows(code: str) -> list[tuple[int, int, int]]:
@@ -149,6 +161,37 @@ def test_inductor_code_keeps_prefetch_order():
     assert len(scatters) == 6, scatters
     for k, (_, wait) in enumerate(scatters[:-2]):
         assert scatters[k + 1][0] < wait < scatters[k + 2][0], scatters
+
+
+def test_inductor_code_under_a_budget_keeps_fsdp2s_memory_order():
+    """With max_prefetch_bytes, each prefetch is issued after the copy-out of the bucket
+    before it (whose gathered buffer is freed there) and before that bucket's compute,
+    and each reduce-scatter is waited before the next one's copy-in."""
+    from torch._inductor.utils import run_and_get_code
+
+    with fake_world(2):
+        torch.manual_seed(0)
+        model = gpt_small()
+        fo.parallelize(model, backend="inductor", bucket_plans=ISSUE_PLAN, max_prefetch_bytes="1GiB")
+        _, codes = run_and_get_code(lambda: _step(model))
+    for code, gathers in ((codes[0], 6), (codes[1], 3)):
+        windows, copies = _windows(code), _copy_outs(code)
+        assert len(windows) == len(copies) == gathers
+        for (start, _, _), (_, prev_split) in zip(windows[1:], copies):
+            assert prev_split < start, (windows, copies)
+        assert all(mms >= 1 for _, _, mms in windows[2:]), windows
+    # and each gradient reduce-scatter's wait comes before the next bucket's gradients
+    # are packed (one full-size input alive at a time), after compute that it overlaps
+    backward = codes[1]
+    scatters = _scatter_windows(backward)
+    assert len(scatters) == 6, scatters
+    lines = backward.splitlines()
+    packs = [i for i, line in enumerate(lines) if "torch.ops.fsdp_overlap.pack_rows.default(" in line]
+    kernels = [i for i, line in enumerate(lines) if _KERNEL.search(line)]
+    for (launch, wait), (next_launch, _) in zip(scatters, scatters[1:]):
+        next_pack = max(i for i in packs if i < next_launch)
+        assert launch < wait < next_pack, scatters
+        assert any(launch < i < wait for i in kernels), scatters
 
 
 _SCATTER = re.compile(

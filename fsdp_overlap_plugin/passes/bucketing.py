@@ -9,8 +9,17 @@ Forward (all-gathers only), before and after::
     ag_0 -> wait_0 -> compute_0 -> ag_1 -> wait_1 -> compute_1 -> ag_2 -> wait_2 -> ...
     ag_0 -> ag_1 -> wait_0 -> compute_0 -> ag_2 -> wait_1 -> compute_1 -> ag_3 -> ...
 
-    bucket i+1's all-gather launches just before bucket i's wait, so it runs while
-    bucket i computes; at most two buckets of unsharded parameters are alive.
+    bucket i+1's all-gather launches just before bucket i's wait, so it is queued
+    behind bucket i's and runs while bucket i computes. During bucket i's copy-out
+    (gathered buffer -> one tensor per parameter) three buckets meet: bucket i twice
+    and bucket i+1's buffer. Under a memory budget (``max_prefetch_bytes``) it launches
+    just after bucket i's copy-out instead (FSDP2's order), so the buckets the budget
+    counts are all that is alive::
+
+    ag_0 -> wait_0 -> ag_1 -> compute_0 -> wait_1 -> ag_2 -> compute_1 -> ...
+
+    at the cost of the copy's duration of link time per bucket (on 2 CPU ranks at 300
+    Mbit, 5-8% of the step; on a GPU the copy runs at memory bandwidth).
 
 Backward (buckets in reverse; all-gathers exist when parameters were resharded)::
 
@@ -18,9 +27,14 @@ Backward (buckets in reverse; all-gathers exist when parameters were resharded):
     ag_N -> ag_N-1 -> wait_N -> compute_N -> ag_N-2 -> rs_N -> wait_N-1 -> compute_N-1 -> rs_N-1 -> wait_rs_N ...
 
     the previous bucket's all-gather is prefetched the same way; reduce-scatter N's wait
-    is deferred until reduce-scatter N-1 has launched; and where an all-gather and a
-    reduce-scatter are ready at the same point, the all-gather (which the next compute
-    needs) is issued first: NCCL/HCCL run one communicator's collectives in issue order.
+    is deferred until reduce-scatter N-1 has launched (queued back to back); and where an
+    all-gather and a reduce-scatter are ready at the same point, the all-gather (which
+    the next compute needs) is issued first: NCCL/HCCL run one communicator's
+    collectives in issue order. Under a memory budget reduce-scatter N's wait goes just
+    before bucket N-1's gradients are packed for their own reduce-scatter instead
+    (FSDP2's bound: one bucket's full-size gradient input in flight at a time, not two)::
+
+    ... -> compute_N-1 -> wait_rs_N -> rs_N-1 -> ...
 
 Collectives of modules no plan entry covers are left exactly where they are and
 counted in the statistics. The pass never looks at tensor values or timing, so every
@@ -41,6 +55,7 @@ from .._torch_compat import preserve_node_ordering
 from ..plan import check_disjoint
 from .graph import (
     C10D,
+    collective_of_wait,
     data_users,
     dynamo_module_path,
     group_name,
@@ -178,7 +193,9 @@ def manual_bucketing(
     _place_gather_waits(gather_units, pos)
     stats["prefetched"], plan = _prefetch(gather_units, pos, deps, prefetch_depth, max_prefetch_bytes, kept)
     stats["prefetch_depths"], stats["prefetch_peak_bytes"] = plan.depths, plan.peak_bytes
-    stats["deferred_rs_waits"], reordered = _defer_scatter_waits(scatter_units, pos, deps)
+    stats["deferred_rs_waits"], reordered = _defer_scatter_waits(
+        scatter_units, pos, deps, before_copy_in=max_prefetch_bytes is not None
+    )
     stats["gathers_first"] = _gathers_before_scatters(gather_units, pos)
     if reordered:
         repair_order(graph)
@@ -357,9 +374,10 @@ def _prefetch(
     units: list[_Unit], pos: Positions, deps: dict, depth: int, budget: int | None, kept: tuple[int, int]
 ) -> tuple[int, PrefetchPlan]:
     """Launch each unit's all-gather ``depth`` units ahead (in consumption order) where the
-    budget allows (``prefetch_plan``): just before the wait of the unit ``depth`` earlier,
-    or at the top of the graph. With depth 1: unit i+1's all-gather just before unit i's
-    wait.
+    budget allows (``prefetch_plan``): just before the wait of the unit ``depth``
+    earlier, or, under a budget, just after that unit's copy-out (so its gathered buffer
+    is freed before this one is allocated); or at the top of the graph. With depth 1:
+    unit i+1's all-gather just before unit i's wait.
 
     The first unit launches at the top of the graph: in backward, the bucket computed
     before it is the one the forward kept gathered, and its compute is what hides this
@@ -380,7 +398,11 @@ def _prefetch(
                     moved += 1
                 top = unit.start
             continue
-        target = order[point].wait
+        if budget is None:
+            target = order[point].wait
+        else:
+            side = order[point].output_side()
+            target = max(side, key=pos.__getitem__).next
         if pos[unit.start] < pos[target]:
             continue  # already launched early enough
         chain = pos.ancestors_after(unit.start, pos[target])
@@ -397,24 +419,42 @@ def _gathered_bytes(unit: _Unit) -> int:
     return val.numel() * val.element_size()
 
 
-def _defer_scatter_waits(units: list[_Unit], pos: Positions, deps: dict) -> tuple[int, bool]:
-    """Wait for reduce-scatter k only after reduce-scatter k+1 (next in launch order) has
-    launched, so consecutive reduce-scatters overlap each other and the compute between.
-    Returns how many waits moved, and whether a moved result has a consumer other than
-    the graph output (an HSDP all-reduce) that may now sit before it."""
+def _defer_scatter_waits(units: list[_Unit], pos: Positions, deps: dict, before_copy_in: bool) -> tuple[int, bool]:
+    """Defer reduce-scatter k's wait over the compute that follows it: to just after
+    reduce-scatter k+1 (next in launch order) has launched, so the two are queued back to
+    back; or, ``before_copy_in`` (under a memory budget), to just before reduce-scatter
+    k+1 starts building its input (its copy-in), so one full-size input is alive at a
+    time (FSDP2's bound). Returns how many waits moved, and whether a moved result has a
+    consumer other than the graph output (an HSDP all-reduce) that may now sit before
+    it."""
     order = sorted(units, key=lambda u: pos[u.start])
     deferred = 0
     reordered = False
     for current, nxt in zip(order, order[1:]):
-        if pos[current.wait] > pos[nxt.start]:
-            continue
         side = current.output_side()
-        if pos.move_after(side, nxt.start):
+        if before_copy_in:
+            target = _first_preparation(nxt.start)
+            moved = pos.move_before(side, target)
+            deps.setdefault(target, []).append(current.wait)
+        else:
+            if pos[current.wait] > pos[nxt.start]:
+                continue
+            moved = pos.move_after(side, nxt.start)
+            deps.setdefault(current.wait, []).append(nxt.start)
+        if moved:
             deferred += 1
             members = set(side)
             reordered |= any(u.op != "output" and u not in members for n in side for u in n.users)
-        deps.setdefault(current.wait, []).append(nxt.start)
     return deferred, reordered
+
+
+def _first_preparation(start: fx.Node) -> fx.Node:
+    """The first of the nodes directly before a reduce-scatter launch that exist only to
+    build its input (its bucket's copy-in), or the launch itself."""
+    node = start
+    while node.prev.op not in ("root", "placeholder") and _feeds_only_scatters(node.prev):
+        node = node.prev
+    return node
 
 
 def _gathers_before_scatters(units: list[_Unit], pos: Positions) -> int:
@@ -427,8 +467,8 @@ def _gathers_before_scatters(units: list[_Unit], pos: Positions) -> int:
         while cursor.op not in ("root", "placeholder"):
             if is_reduce_scatter(cursor):
                 earliest = cursor
-            elif not (is_view(cursor) or is_wait(cursor) or _feeds_only_scatters(cursor)):
-                break
+            elif not (is_view(cursor) or _is_scatter_wait(cursor) or _feeds_only_scatters(cursor)):
+                break  # an all-gather's wait: a launch placed after that bucket's copy-out
             cursor = cursor.prev
         if earliest is None:
             continue
@@ -440,6 +480,13 @@ def _gathers_before_scatters(units: list[_Unit], pos: Positions) -> int:
         if pos.move_before(chain, target):
             hoisted += 1
     return hoisted
+
+
+def _is_scatter_wait(node: fx.Node) -> bool:
+    if not is_wait(node):
+        return False
+    collective = collective_of_wait(node)
+    return collective is not None and is_reduce_scatter(collective)
 
 
 def _feeds_only_scatters(node: fx.Node) -> bool:

@@ -8,7 +8,8 @@ input: views, padding, bucket copy-in, dtype casts)::
 
 1. **launch advance**: the preparation nodes and the launch move to just after the
    latest of (their inputs, the last barrier, the last collective on the same process
-   group that this pass does not own). A barrier is a graph input/output or a node
+   group that this pass does not own; under a memory budget also the wait of the
+   reduce-scatter before it on the group). A barrier is a graph input/output or a node
    with side effects or mutation, which includes releasing a tensor's storage; FSDP
    parameter all-gathers and the matched reduce-scatters are owned, everything else on
    the group (tensor-parallel collectives, for instance) keeps its order relative to
@@ -16,18 +17,19 @@ input: views, padding, bucket copy-in, dtype casts)::
 2. **wait sinking**: the wait and the view/alias DAG of its result are held back until
    the first node that really consumes them, each branch separately (a view used early
    keeps its early consumer), never past a barrier, and never past the launch of the
-   next gradient reduce-scatter on the same group: that one's launch is followed by the
-   previous one's wait, FSDP2's bound (one in flight while the next is issued). A
-   reduce-scatter holds its full-size input (and an all-to-all its full-size output)
-   until its wait, and a gradient's first use is the graph's output: sunk that far, every
-   bucket's gradients stayed alive, unsharded, until the end of the backward (a GPT of
-   15M parameters at batch 1: 124 MiB per rank against eager FSDP2's 52;
-   benchmarks/RESULTS.md). On HSDP the replica all-reduce consumes the waited result, so
-   reduce-scatter -> wait -> all-reduce stays in order.
+   next gradient reduce-scatter on the same group (FSDP2's bound: one in flight while
+   the next is issued), or, under a memory budget (``wait_before_copy_in``), never past
+   the first preparation node (the copy-in) of that next one: one full-size input
+   alive at a time. A reduce-scatter holds its full-size input (and an all-to-all its
+   full-size output) until its wait, and a gradient's first use is the graph's output:
+   sunk that far, every bucket's gradients stayed alive, unsharded, until the end of the
+   backward (a GPT of 15M parameters at batch 1: 124 MiB per rank against eager FSDP2's
+   52; benchmarks/RESULTS.md). On HSDP the replica all-reduce consumes the waited
+   result, so reduce-scatter -> wait -> all-reduce stays in order.
 
 Compute nodes, arithmetic, tensor-parallel collectives and outputs are untouched; only
 positions change, the same way on every rank. Works on graphs the bucketing pass
-rewrote, including waits wrapped in ``control_deps``. Runs in O(nodes + edges).
+rewrote, including nodes it wrapped in ``control_deps``. Runs in O(nodes + edges).
 Returns its statistics (``overlap_grad_reduce``).
 """
 
@@ -105,16 +107,23 @@ def _collect(nodes: list[fx.Node], index: dict[fx.Node, int]) -> list[_Reduction
 
 
 def _advance_launches(
-    nodes: list[fx.Node], matches: list[_Reduction], barriers: set[fx.Node]
+    nodes: list[fx.Node], matches: list[_Reduction], barriers: set[fx.Node], after_previous_wait: bool
 ) -> tuple[list[fx.Node], int]:
     index = {n: i for i, n in enumerate(nodes)}
     by_launch = {m.launch: m for m in matches}
+    by_wait = {m.realization[0]: m for m in matches} if after_previous_wait else {}
     last_barrier = -1
     last_unowned: dict = defaultdict(lambda: -1)
+    last_wait: dict = defaultdict(lambda: -1)  # group -> the last matched reduce-scatter's wait
     boundary: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
         if node in by_launch:
-            boundary[node] = max(last_barrier, last_unowned[group_name(node)])
+            group = group_name(node)
+            # never above the wait of the reduce-scatter before it on the group (the
+            # bound the sinking keeps: one full-size input in flight at a time)
+            boundary[node] = max(last_barrier, last_unowned[group], last_wait[group])
+        elif node in by_wait:
+            last_wait[group_name(by_wait[node].launch)] = i
         elif node.op == "call_function":
             if node in barriers:
                 last_barrier = i
@@ -149,7 +158,7 @@ def _advance_launches(
 
 
 def _sink_waits(
-    nodes: list[fx.Node], matches: list[_Reduction], barriers: set[fx.Node]
+    nodes: list[fx.Node], matches: list[_Reduction], barriers: set[fx.Node], before_copy_in: bool
 ) -> tuple[list[fx.Node], set[fx.Node]]:
     sinkable = {n for m in matches for n in m.realization}
     by_launch = {m.launch: m for m in matches}
@@ -173,7 +182,22 @@ def _sink_waits(
         if fixed_emitted > fixed_before[node]:
             sunk.add(node)  # some node that came after it now runs before it
 
+    def cap(group) -> None:
+        # FSDP2's bound: the reduce-scatter launched last on ``group`` is waited here.
+        # Each holds its full-size input (and an all-to-all its full-size output) until
+        # its wait: waits sunk to the graph's end would hold every gradient unsharded.
+        older = last_launched.get(group)
+        for waiting in older.realization if older is not None else ():
+            capped.add(waiting)
+            if waiting in pending:
+                flush(waiting)
+
+    # under a memory budget a wait stops before the next reduce-scatter's copy-in (one
+    # full-size input alive at a time), otherwise just after the next launch
+    copy_ins = {(m.preparation or [m.launch])[0]: m for m in matches} if before_copy_in else {}
     for node in nodes:
+        if node in copy_ins:
+            cap(group_name(copy_ins[node].launch))
         if node in sinkable:
             pending[node] = None
             fixed_before[node] = fixed_emitted
@@ -191,20 +215,17 @@ def _sink_waits(
         fixed_emitted += 1
         match = by_launch.get(node)
         if match is not None:
-            # FSDP2's bound: launching a reduce-scatter waits for the one before it on
-            # the group. Each holds its full-size input (and output) until its wait, so
-            # waits sunk to the graph's end would hold every gradient unsharded.
-            older = last_launched.get(group_name(node))
+            if not before_copy_in:
+                cap(group_name(node))
             last_launched[group_name(node)] = match
-            for waiting in older.realization if older is not None else ():
-                capped.add(waiting)
-                if waiting in pending:
-                    flush(waiting)
     return order, sunk
 
 
-def overlap_grad_reduce(gm: fx.GraphModule) -> dict:
+def overlap_grad_reduce(gm: fx.GraphModule, *, wait_before_copy_in: bool = False) -> dict:
     """Advance gradient reduce-scatter launches and sink their waits (see module doc).
+    ``wait_before_copy_in`` (under a memory budget): a wait sinks no further than the next
+    reduce-scatter's copy-in, and no launch advances above the previous one's wait;
+    otherwise no further than the next reduce-scatter's launch.
     Returns ``{"matched", "launches_advanced", "wait_view_nodes_sunk", "waits_sunk"}``:
     the reduce-scatters found, launches moved earlier, wait/view nodes moved later, and
     waits among them. Changes only ``gm.graph``; the caller regenerates ``gm.forward``."""
@@ -214,8 +235,8 @@ def overlap_grad_reduce(gm: fx.GraphModule) -> dict:
     index = {n: i for i, n in enumerate(nodes)}
     matches = _collect(nodes, index)
     barriers = {n for n in nodes if n.op == "call_function" and is_barrier(n)}
-    order, advanced = _advance_launches(nodes, matches, barriers)
-    order, sunk = _sink_waits(order, matches, barriers)
+    order, advanced = _advance_launches(nodes, matches, barriers, wait_before_copy_in)
+    order, sunk = _sink_waits(order, matches, barriers, wait_before_copy_in)
     if advanced or sunk or merged_waits:
         relink(graph, order)
     stats = {

@@ -13,8 +13,13 @@ can appear::
 
     S  -> first A after S          the launch happens before the compute it hides behind
     last A before W -> W           the wait is not pulled up above that compute
-    S  -> first other wait after S a prefetch launches before the previous bucket's wait,
-                                   so its copy-in cannot be fused into later kernels
+    S  -> first other wait after S a launch stays before the next wait (a later bucket's,
+                                   a reduce-scatter's), so its copy-in cannot be fused into
+                                   later kernels
+    W  -> copy-in of the next S    a wait stays before the next merged launch's copy-in (seen:
+                                   inductor emitted a reduce-scatter's wait after the next
+                                   reduce-scatter's copy-in and launch, so two buckets'
+                                   full-size buffers met again)
 
 Only the order is constrained; no computation changes.
 """
@@ -28,7 +33,8 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import preserve_node_ordering
-from .graph import is_collective, is_wait, wait_of
+from .graph import effective_target, is_collective, is_wait, wait_of
+from .ops import FILL_SLOT, PACK_ROWS
 
 __all__ = ["pin_collective_order"]
 
@@ -44,6 +50,7 @@ _ANCHOR_NAMES = (
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
 )
+_COPY_INS = (FILL_SLOT, PACK_ROWS)
 _ANCHORS = {getattr(aten, name).default for name in _ANCHOR_NAMES if hasattr(aten, name)}
 # by identity: an OpOverload's hash is Python code, and this is asked of every node
 _ANCHOR_IDS = frozenset(id(op) for op in _ANCHORS)
@@ -52,6 +59,16 @@ _ANCHOR_IDS = frozenset(id(op) for op in _ANCHORS)
 def is_anchor(node: fx.Node) -> bool:
     """A compute node inductor emits as its own kernel (never fused away)."""
     return node.op == "call_function" and id(node.target) in _ANCHOR_IDS
+
+
+def _copy_in(launch: fx.Node, after: int, index: dict[fx.Node, int]) -> fx.Node | None:
+    """A merged collective's copy-in op (``fill_slot`` / ``pack_rows``) feeding ``launch``
+    directly or through a view, placed after position ``after``; None if none."""
+    for arg in launch.all_input_nodes:
+        for node in (arg, *arg.all_input_nodes):
+            if effective_target(node) in _COPY_INS and index.get(node, -1) > after:
+                return node
+    return None
 
 
 def pin_collective_order(gm: fx.GraphModule) -> dict:
@@ -73,6 +90,13 @@ def pin_collective_order(gm: fx.GraphModule) -> dict:
         elif is_collective(node):
             launches.append(node)
     deps: dict[fx.Node, dict[fx.Node, None]] = defaultdict(dict)  # dict: an ordered set
+    starts = [index[n] for n in launches]
+    for w in waits:
+        k = bisect.bisect_right(starts, w)
+        if k < len(starts):
+            copy_in = _copy_in(launches[k], w, index)
+            if copy_in is not None:
+                deps[copy_in][nodes[w]] = None
     windows = 0
     for start in launches:
         wait = wait_of(start)

@@ -5,7 +5,10 @@ exists), so the peak ``check`` prints is the one the compiled schedule keeps.
 Buckets are taken in the order a graph consumes them (forward: plan order; backward:
 reverse). Bucket ``k`` with depth ``d`` launches just before bucket ``k - d``'s wait, so
 while bucket ``k - d`` is consumed, buckets ``k - d .. k`` are gathered: that window's
-bytes must fit ``budget``. ``k - d == -1`` is the top of the graph (before anything is
+bytes must fit ``budget``. Under a budget the launch goes just after bucket ``k - d``'s
+copy-out instead (``passes/bucketing.py``): launched before the wait, bucket ``k``'s
+buffer would also meet bucket ``k - d``'s gathered buffer and its copies, one bucket
+more than the window. ``k - d == -1`` is the top of the graph (before anything is
 consumed); depth 0 means "not moved ahead". The first bucket launches at the top (if it
 fits the budget).
 A backward graph starts with the buckets the forward kept gathered (``kept``): at its
