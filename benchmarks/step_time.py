@@ -20,6 +20,11 @@ left to the root).
     both+native        the same with reduce_scatter_impl: native (gloo's reduce-scatter)
     both+prefetch-2    the defaults with prefetch_depth: 2
     both+gather-group  + parameter all-gathers on their own gloo group (only with --modes)
+    both+fsdp2-order   the defaults with a memory budget too large to limit any prefetch
+                       (max_prefetch_bytes: 1TiB), which selects FSDP2's memory order:
+                       each prefetch after the previous bucket's copy-out, each gradient
+                       reduce-scatter waited before the next one's copy-in (only with
+                       --modes)
     torch-auto         torch's own overlap scheduler (aten_distributed_optimizations),
                        made to run on CPU (roofline estimates from measured CPU rates,
                        collectives costed at the link rate)
@@ -124,8 +129,9 @@ ALL_MODES = [
     "comm-only",
     "comm-only+native",
 ]
-A2A_MODES = {"both", "both+prefetch-2", "both+gather-group"}  # on 2 gloo ranks: reduce_scatter_impl auto
-EXTRA_MODES = ["both+gather-group"]  # only when named in --modes (it did not help on gloo: RESULTS.md)
+A2A_MODES = {"both", "both+prefetch-2", "both+gather-group", "both+fsdp2-order"}  # on 2 gloo ranks: auto
+# only when named in --modes (gather-group did not help on gloo: RESULTS.md)
+EXTRA_MODES = ["both+gather-group", "both+fsdp2-order"]
 QUICK_MODES = ["fsdp2-eager", "both", "both+prefetch-2", "compute-only", "comm-only"]
 REPLAYS = {"comm-only": "both", "comm-only+native": "both+native"}
 MODEL_SIZES = {
@@ -1134,6 +1140,7 @@ def make_runner(
         "both+native": native,
         "both+prefetch-2": {"prefetch_depth": 2},
         "both+gather-group": {"separate_gather_group": True},
+        "both+fsdp2-order": {"max_prefetch_bytes": "1TiB"},
         "torch-auto": passes,
     }[mode]
     if plan == "blocks":

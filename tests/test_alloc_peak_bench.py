@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from _bench import BENCHMARKS, help_text
 
 
@@ -29,3 +30,16 @@ def test_eager_mode_counts_fsdp2s_gathers_and_reductions():
     sites = [a["site"] for a in row["largest"]]
     assert any("FSDP::all_gather" in s for s in sites) and any("post_backward_reduce" in s for s in sites), sites
     assert all(a["mib"] <= 3.1 for a in row["largest"])
+
+
+def test_set_reads_values_as_json_else_as_strings():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("alloc_peak", BENCHMARKS / "alloc_peak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._setting("max_prefetch_bytes=14MiB") == ("max_prefetch_bytes", "14MiB")
+    assert module._setting("prefetch_depth=2") == ("prefetch_depth", 2)
+    assert module._setting("max_prefetch_bytes=null") == ("max_prefetch_bytes", None)
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        module._setting("prefetch_depth")
