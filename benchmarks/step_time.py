@@ -21,7 +21,7 @@ left to the root).
     both+prefetch-2    the defaults with prefetch_depth: 2
     both+gather-group  + parameter all-gathers on their own gloo group (only with --modes)
     both+fsdp2-order   the defaults with a memory budget too large to limit any prefetch
-                       (max_prefetch_bytes: 1TiB), which selects FSDP2's memory order:
+                       (max_prefetch_bytes: 1024GiB), which selects FSDP2's memory order:
                        each prefetch after the previous bucket's copy-out, each gradient
                        reduce-scatter waited before the next one's copy-in (only with
                        --modes)
@@ -1140,7 +1140,7 @@ def make_runner(
         "both+native": native,
         "both+prefetch-2": {"prefetch_depth": 2},
         "both+gather-group": {"separate_gather_group": True},
-        "both+fsdp2-order": {"max_prefetch_bytes": "1TiB"},
+        "both+fsdp2-order": {"max_prefetch_bytes": "1024GiB"},
         "torch-auto": passes,
     }[mode]
     if plan == "blocks":

@@ -19,7 +19,8 @@ Forward (all-gathers only), before and after::
     ag_0 -> wait_0 -> ag_1 -> compute_0 -> wait_1 -> ag_2 -> compute_1 -> ...
 
     at the cost of the copy's duration of link time per bucket (on 2 CPU ranks at 300
-    Mbit, 5-8% of the step; on a GPU the copy runs at memory bandwidth).
+    Mbit, with the reduce-scatter order below, 9-13% of the step; on a GPU the copy runs
+    at memory bandwidth).
 
 Backward (buckets in reverse; all-gathers exist when parameters were resharded)::
 
