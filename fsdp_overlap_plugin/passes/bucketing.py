@@ -474,9 +474,7 @@ def _gathers_before_scatters(units: list[_Unit], pos: Positions) -> int:
         if earliest is None:
             continue
         # the reduce-scatter's own preparation nodes stay attached to it
-        target = earliest
-        while target.prev.op != "root" and _feeds_only_scatters(target.prev) and target.prev.op != "placeholder":
-            target = target.prev
+        target = _first_preparation(earliest)
         chain = pos.ancestors_after(unit.start, pos[target])
         if pos.move_before(chain, target):
             hoisted += 1
