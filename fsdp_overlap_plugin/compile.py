@@ -115,9 +115,7 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
     ),
     PassEntry(
         "overlap_grad_reduce",
-        lambda gm, state: passes.overlap_grad_reduce(
-            gm, wait_before_copy_in=state.config.max_prefetch_bytes is not None
-        ),
+        lambda gm, state: passes.overlap_grad_reduce(gm, wait_before_copy_in=state.config.memory_order == "fsdp2"),
         lambda kind, state: kind == "backward" and state.config.overlap_grad_reduce,
     ),
     PassEntry(

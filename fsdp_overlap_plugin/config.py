@@ -34,6 +34,13 @@ __all__ = [
 ]
 
 
+# How the report and `fsdp-overlap check` name OverlapConfig.memory_order's values.
+MEMORY_ORDER_WORDS = {
+    "fsdp2": "FSDP2's memory order: prefetch after the copy-out, one reduce-scatter in flight",
+    "queued": "collectives queued back to back",
+}
+
+
 class OverlapConfigError(ValueError):
     """A configuration problem, raised at startup, naming the key or module at fault."""
 
@@ -275,7 +282,7 @@ class OverlapConfig:
     prefetch is queued before that bucket's wait and a reduce-scatter waited after the next
     launch (faster on a slow link; one bucket more of each at its moment). null: no budget
     (prefetch_depth alone decides). An integer or a string such as "256MiB". fsdp-overlap
-    check prints the resulting peak."""
+    check prints the resulting peak and which order runs; so does the schedule report."""
 
     rank_check: str = "error"
     """Before the passes reorder anything, every rank compares a fingerprint of each compiled
@@ -446,6 +453,14 @@ class OverlapConfig:
     @property
     def torch_reduce_dtype(self) -> torch.dtype | None:
         return parse_dtype(self.reduce_dtype, "reduce_dtype") or self.torch_param_dtype
+
+    @property
+    def memory_order(self) -> str:
+        """The order the passes give collectives around their copies: "fsdp2" under a
+        max_prefetch_bytes budget (each prefetch after the previous bucket's copy-out, each
+        reduce-scatter waited before the next one's copy-in), "queued" without one (a prefetch
+        queued before the bucket's wait, a reduce-scatter waited after the next launch)."""
+        return "queued" if self.max_prefetch_bytes is None else "fsdp2"
 
     # ------------------------------------------------------------ documentation
     @classmethod

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from .config import MEMORY_ORDER_WORDS
 from .costmodel import predicted
 from .records import KINDS, SUMMARY_STATS, record_name, summarize_pass
 from .state import get_state
@@ -95,7 +96,11 @@ def prefetch_total(records: list[dict], config: Any) -> dict:
     """How far ahead each training graph's all-gathers launched (``manual_bucketing``'s
     ``prefetch_depths``, one per bucket in consumption order) and the gathered bytes that
     prefetching kept alive at most, per graph kind."""
-    out: dict[str, Any] = {"depth": config.prefetch_depth, "max_bytes": config.max_prefetch_bytes}
+    out: dict[str, Any] = {
+        "depth": config.prefetch_depth,
+        "max_bytes": config.max_prefetch_bytes,
+        "order": config.memory_order,
+    }
     for record in records:
         stats = (record.get("passes") or {}).get("manual_bucketing") or {}
         if record.get("inference") or "prefetch_depths" not in stats:
@@ -278,7 +283,8 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         lines.append(
             f"  prefetch (depth {prefetch['depth']}, budget "
-            f"{'none' if budget is None else f'{budget / 2**20:.1f} MiB'}): " + "; ".join(parts)
+            f"{'none' if budget is None else f'{budget / 2**20:.1f} MiB'}, {MEMORY_ORDER_WORDS[prefetch.get('order', 'queued')]}): "
+            + "; ".join(parts)
         )
     cache = report.get("compile_cache") or []
     if cache:

@@ -173,7 +173,8 @@ def test_traced_gpt_forward_depth_2(monkeypatch):
     assert report["prefetch"]["backward"]["depths"] == [1, 1, 2]
     assert [b.split(" [")[0] for b in report["reshard"]["kept_buckets"]] == ["bucket 5", "bucket 4"]
     assert "kept (bucket 5 ['norm', 'head']; bucket 4 ['blocks.3'], for prefetch_depth 2)" in text
-    assert "prefetch (depth 2, budget none): forward depths 1 2 2 2 2 2" in text
+    assert "prefetch (depth 2, budget none, collectives queued back to back): forward depths 1 2 2 2 2 2" in text
+    assert report["prefetch"]["order"] == "queued"
 
 
 def test_traced_gpt_keeps_the_last_block_when_the_head_is_smaller(monkeypatch):
@@ -237,6 +238,9 @@ def test_check_prints_the_peak_of_the_depth_and_budget(tmp_path, capsys):
         main(["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small"])
         text = capsys.readouterr().out
         assert f"holds at most {held} buckets gathered at once" in text
+        # a budget selects FSDP2's memory order, and check says which order runs
+        order = "queued back to back" if budget is None else "FSDP2's memory order: prefetch after the copy-out"
+        assert order in text.split("holds at most")[0], text
         if depth > 1:
             assert "buckets ahead, per bucket as consumed: forward 1 2 " in text
         assert "(after buckets 4-5, kept gathered)" in text

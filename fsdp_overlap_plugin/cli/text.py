@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..config import OverlapConfig, dtype_name
+from ..config import MEMORY_ORDER_WORDS, OverlapConfig, dtype_name
 
 __all__ = [
     "auto_lines",
@@ -191,7 +191,8 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
         held = len(m["prefetch_peak_buckets"])
         out.append(
             f"{'memory' if not out else '':<8}prefetch (depth {config.prefetch_depth}, budget "
-            f"{'none' if budget is None else format_bytes(budget)}) holds at most {held} "
+            f"{'none' if budget is None else format_bytes(budget)}; {MEMORY_ORDER_WORDS[config.memory_order]}) "
+            f"holds at most {held} "
             f"bucket{'s' if held != 1 else ''} gathered at once: peak "
             f"{format_bytes(m['prefetch_peak_bytes'])} (buckets {window}), unsharded, in param_dtype"
         )
