@@ -283,7 +283,7 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         lines.append(
             f"  prefetch (depth {prefetch['depth']}, budget "
-            f"{'none' if budget is None else f'{budget / 2**20:.1f} MiB'}, {MEMORY_ORDER_WORDS[prefetch.get('order', 'queued')]}): "
+            f"{'none' if budget is None else f'{budget / 2**20:.1f} MiB'}, {MEMORY_ORDER_WORDS[prefetch['order']]}): "
             + "; ".join(parts)
         )
     cache = report.get("compile_cache") or []
