@@ -32,6 +32,14 @@ left to the root).
     comm-only          the collectives of one `both` step (forward and backward graphs,
                        launches and waits in graph order) replayed with no compute
     comm-only+native   the same for `both+native`
+    comm-only+recv-first
+                       the same collectives' bytes as point-to-point exchanges, each rank
+                       posting all its receives before its sends (gloo's all_gather and
+                       all_to_all send first; only with --modes, after both)
+    comm+compute       the comm-only replay in a second thread while the compute-only step
+                       runs in the main thread: the same link, CPUs, collectives and compute
+                       as a perfectly overlapped `both` step, with no dependency between
+                       them (only with --modes, after comm-only and compute-only)
 
 Models (``--model``, sized by ``--model-size``, default ``small``):
 
@@ -56,7 +64,26 @@ as all-to-all (both, both+prefetch-2, both+gather-group), max(compute-only,
 comm-only+native) for the others; ideal = max(compute-only, ideal bytes / link rate), where ideal
 bytes are what a ring all-gather and a reduce-scatter must send per rank. gloo's
 reduce_scatter_tensor is a clone plus a full all-reduce (about twice the ideal bytes),
-which is why the two bounds differ.
+which is why the two bounds differ. With comm+compute listed, the overlap bound is its
+median: what the link and the CPUs allow when no collective waits for compute (the rows
+that reduce-scatter as all-to-all are printed against it too).
+
+``--recv-first`` (an experiment, not a plugin feature): in the worker processes only, the
+CPU kernels of torch's functional ``all_gather_into_tensor_out`` and ``all_to_all_single``
+(what the compiled modes' graphs call) are replaced by that receive-first exchange, so the
+same schedule runs with receives posted first. gloo posts a collective's send before its
+receive (``gloo/allgather.cc``, ``gloo/alltoall.cc``) and a receive's ready-notice travels
+behind this rank's own bytes on the same connection: the peer cannot send until they
+have drained. fsdp2-eager and the comm-only replay call gloo's collectives directly and
+keep them; the sharded modes' own bound is then comm-only+recv-first.
+
+Where a step loses time against its bounds (``--trace-dir DIR``): after the timed steps each
+rank runs one more `both` step under torch.profiler and writes ``DIR/trace<rank>.json``
+(chrome trace); the script prints every collective's launch on each rank and the skew
+between them, each rank's time blocked in waits, and the CPU time of the step's threads
+(the main thread, gloo's TCP loop and its worker threads). The link lines also give the
+share of each phase in which both directions moved data, for the `both` step and for the
+comm-only replay.
 
     sudo python benchmarks/step_time.py                  # 300 Mbit, default model, all modes
     python benchmarks/step_time.py --quick               # < 3 minutes, fewer modes and steps
@@ -131,9 +158,10 @@ ALL_MODES = [
 ]
 A2A_MODES = {"both", "both+prefetch-2", "both+gather-group", "both+fsdp2-order"}  # on 2 gloo ranks: auto
 # only when named in --modes (gather-group did not help on gloo: RESULTS.md)
-EXTRA_MODES = ["both+gather-group", "both+fsdp2-order"]
+EXTRA_MODES = ["both+gather-group", "both+fsdp2-order", "comm-only+recv-first", "comm+compute"]
 QUICK_MODES = ["fsdp2-eager", "both", "both+prefetch-2", "compute-only", "comm-only"]
-REPLAYS = {"comm-only": "both", "comm-only+native": "both+native"}
+REPLAYS = {"comm-only": "both", "comm-only+native": "both+native", "comm-only+recv-first": "both"}
+CONCURRENT = {"comm+compute": ("comm-only", "compute-only")}  # run at once, in two threads
 MODEL_SIZES = {
     # name: (d_model, n_layer, n_head, vocab, seq); ~parameters in the comment
     "small": (256, 4, 8, 512, 128),  # 3.4M
@@ -311,6 +339,8 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
     compute = rows.get("compute-only", {}).get("median_s")
     comm = rows.get("comm-only", {}).get("median_s")
     comm_native = rows.get("comm-only+native", {}).get("median_s")
+    overlap = rows.get("comm+compute", {}).get("median_s")
+    recv_first = rows.get("comm-only+recv-first", {}).get("median_s")
     transport = max(compute, comm) if compute and comm else None  # the defaults' collectives
     transport_native = max(compute, comm_native) if compute and comm_native else None
     ideal_bytes = r0.get("ideal_bytes")
@@ -320,14 +350,22 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
         row["x_eager"] = row["median_s"] / eager if eager else None
         row["x_transport"] = row["median_s"] / bound if bound else None
         row["x_ideal"] = row["median_s"] / ideal if ideal else None
+        row["x_overlap"] = row["median_s"] / overlap if overlap and mode in A2A_MODES else None
+        row["x_recv_first"] = (
+            row["median_s"] / max(compute, recv_first) if compute and recv_first and mode in A2A_MODES else None
+        )
     return {
         "rows": rows,
         "process_peak_rss_mib": [round(res.get("process_peak_rss_mib", 0)) for res in results],
         "transport_bound_s": transport,
         "transport_bound_native_s": transport_native,
+        "overlap_bound_s": overlap,
+        "recv_first_bound_s": max(compute, recv_first) if compute and recv_first else None,
         "ideal_bound_s": ideal,
         "ideal_bytes": ideal_bytes,
         "link": r0.get("link"),
+        "link_replay": r0.get("link_replay"),
+        "trace": trace_summary(results),
     }
 
 
@@ -364,19 +402,37 @@ def print_table(summary: dict, header: str) -> None:
             "transport bound with gloo's reduce-scatter max(compute-only, comm-only+native) = "
             f"{summary['transport_bound_native_s']:.3f} s (the other rows)"
         )
+    if summary.get("overlap_bound_s"):
+        both = summary["rows"].get("both", {}).get("x_overlap")
+        print(
+            f"overlap bound comm+compute (the replay and the compute at once, no dependencies) = "
+            f"{summary['overlap_bound_s']:.3f} s" + (f"; both at {both:.2f}x of it" if both else "")
+        )
+    if summary.get("recv_first_bound_s"):
+        both = summary["rows"].get("both", {}).get("x_recv_first")
+        print(
+            f"receive-first transport bound max(compute-only, comm-only+recv-first) = "
+            f"{summary['recv_first_bound_s']:.3f} s" + (f"; both at {both:.2f}x of it" if both else "")
+        )
     if i:
         mb = summary["ideal_bytes"] / 2**20
         print(f"ideal bound max(compute-only, {mb:.1f} MiB sent per rank / link rate) = {i:.3f} s")
     else:
         print("ideal bound: n/a (uncapped link)")
-    link = summary.get("link")
-    if link:
-        print("link activity during one `both` step (rank 0, busy = sending or receiving):")
+    for key, what in (("link", "one `both` step"), ("link_replay", "the comm-only replay of it")):
+        link = summary.get(key)
+        if not link:
+            continue
+        print(f"link activity during {what} (rank 0, busy = sending or receiving):")
         for phase in link["phases"]:
+            both = phase.get("both_fraction")
             print(
                 f"  {phase['name']:<28} {phase['duration_s']:.3f} s, link busy {phase['busy_fraction'] * 100:5.1f}%"
-                f", idle {phase['idle_s']:.3f} s"
+                + (f" (both directions {both * 100:5.1f}%)" if both is not None else "")
+                + f", idle {phase['idle_s']:.3f} s"
             )
+    if summary.get("trace"):
+        print_trace(summary["trace"])
 
 
 def main() -> None:
@@ -412,6 +468,15 @@ def main() -> None:
     parser.add_argument("--json", help="write the summary and raw step times here")
     parser.add_argument("--timeline-png", help="draw rank 0's link activity during one `both` step")
     parser.add_argument("--report-json", help="write the `both` model's schedule report (for `fsdp-overlap timeline`)")
+    parser.add_argument(
+        "--recv-first",
+        action="store_true",
+        help="experiment: the compiled graphs' all-gathers and all-to-alls post receives before sends",
+    )
+    parser.add_argument(
+        "--trace-dir",
+        help="profile one more `both` step per rank: chrome traces here, and per collective the ranks' launch skew",
+    )
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -429,6 +494,9 @@ def main() -> None:
     for replay, source in REPLAYS.items():  # (--memory skips the replays)
         if not args.memory and replay in modes and (source not in modes or modes.index(source) > modes.index(replay)):
             parser.error(f"{replay} replays the collectives of a `{source}` step: list `{source}` before it")
+    for mode, parts in CONCURRENT.items():
+        if mode in modes and any(p not in modes or modes.index(p) > modes.index(mode) for p in parts):
+            parser.error(f"{mode} runs {' and '.join(parts)} at once: list both before it")
     if args.quick:
         args.reps, args.steps = 1, 10
     if args.steps < 10 and not args.quick:
@@ -452,6 +520,10 @@ def main() -> None:
         "--rate",
         args.rate,
     ]
+    if args.trace_dir:
+        args.worker_args += ["--trace-dir", str(Path(args.trace_dir).resolve())]
+    if args.recv_first:
+        args.worker_args.append("--recv-first")
     ok, why = Namespaces.available()
     use_netns = ok and not args.loopback
     if args.memory:
@@ -705,7 +777,8 @@ class LinkSampler:
 
 
 def link_phases(samples, marks: list[tuple[str, float]], rate_bps: float) -> dict:
-    """Per phase: duration, fraction of time the link moved data, idle seconds."""
+    """Per phase: duration, fraction of time the link moved data (in either direction,
+    and in both at once), idle seconds."""
     rates = []
     for (t0, tx0, rx0), (t1, tx1, rx1) in zip(samples, samples[1:]):
         dt = max(t1 - t0, 1e-6)
@@ -716,17 +789,135 @@ def link_phases(samples, marks: list[tuple[str, float]], rate_bps: float) -> dic
         busy = sum(
             max(0.0, min(t1, end) - max(t0, start)) for t0, t1, tx, rx in rates if tx > threshold or rx > threshold
         )
+        both = sum(
+            max(0.0, min(t1, end) - max(t0, start)) for t0, t1, tx, rx in rates if tx > threshold and rx > threshold
+        )
         phases.append(
             {
                 "name": name,
                 "start_s": start,
                 "duration_s": end - start,
                 "busy_fraction": busy / max(end - start, 1e-9),
+                "both_fraction": both / max(end - start, 1e-9),
                 "idle_s": max(0.0, end - start - busy),
             }
         )
     series = [((t0 + t1) / 2, tx, rx) for t0, t1, tx, rx in rates]
     return {"phases": phases, "samples": series}
+
+
+def thread_cpu_ms() -> dict[str, float]:
+    """CPU time (user + system) per thread of this process, by thread id and name."""
+    tick = 1000 / os.sysconf("SC_CLK_TCK")
+    cpu = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu[f"{tid}:{name}"] = (int(fields[11]) + int(fields[12])) * tick
+    return cpu
+
+
+def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
+    """``--trace-dir``: one `both` step's threads' CPU time, then one more step under
+    torch.profiler; its chrome trace goes to ``trace_dir`` and its collectives (launch on
+    the main thread, run on gloo's worker threads) and waits come back, in epoch ms so
+    that the ranks' clocks (one host) line up."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    before, start = thread_cpu_ms(), time.perf_counter()
+    runner.step(batch)
+    wall, after = time.perf_counter() - start, thread_cpu_ms()
+    cpu: dict[str, float] = {}
+    main = f"{threading.get_native_id()}:"
+    for key, ms in after.items():
+        name = "main" if key.startswith(main) else key.split(":", 1)[1]
+        cpu[name] = cpu.get(name, 0.0) + ms - before.get(key, 0.0)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    path = trace_dir / f"trace{rank}.json"
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.time_ns() / 1e6
+        runner.step(batch)
+        t1 = time.time_ns() / 1e6
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
+    launches, runs, wait_ms = [], [], 0.0
+    for event in trace["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        name, begin, dur = event["name"], (event["ts"] + base_us) / 1e3, event["dur"] / 1e3
+        if name.startswith("c10d::") and "barrier" not in name:
+            launches.append((begin, name.removeprefix("c10d::").strip("_")))
+        elif name.startswith("gloo:"):
+            runs.append((begin, begin + dur))
+        elif name == "_c10d_functional::wait_tensor":
+            wait_ms += dur
+    return {
+        "path": str(path),
+        "step_ms": [t0, t1],
+        "launches": sorted(launches),
+        "runs": sorted(runs),
+        "wait_ms": wait_ms,
+        "cpu_ms": cpu,
+        "cpu_wall_ms": wall * 1e3,
+    }
+
+
+def trace_summary(results: list[dict]) -> dict | None:
+    """Both ranks' traced steps side by side: per collective (in launch order) each
+    rank's launch and completion, from the earlier rank's step start, and the skew."""
+    traces = [res.get("trace") for res in results]
+    if not all(traces):
+        return None
+    zero = min(t["step_ms"][0] for t in traces)
+    rows = []
+    for k, launch in enumerate(traces[0]["launches"]):
+        if any(len(t["launches"]) <= k for t in traces):
+            break
+        at = [t["launches"][k][0] - zero for t in traces]
+        done = [t["runs"][k][1] - zero if k < len(t["runs"]) else None for t in traces]
+        rows.append({"op": launch[1], "launch_ms": at, "done_ms": done, "skew_ms": at[1] - at[0]})
+    skews = sorted(abs(r["skew_ms"]) for r in rows)
+    return {
+        "rows": rows,
+        "max_skew_ms": skews[-1] if skews else None,
+        "median_skew_ms": statistics.median(skews) if skews else None,
+        "ranks": [
+            {
+                "step_ms": t["step_ms"][1] - t["step_ms"][0],
+                "wait_ms": t["wait_ms"],
+                "cpu_ms": t["cpu_ms"],
+                "cpu_wall_ms": t["cpu_wall_ms"],
+                "path": t["path"],
+            }
+            for t in traces
+        ],
+    }
+
+
+def print_trace(trace: dict) -> None:
+    print("one traced `both` step (--trace-dir), ms from the earlier rank's start; skew = rank 1 - rank 0:")
+    print(f"  {'#':>3} {'collective':<24} {'launch r0':>10} {'r1':>8} {'skew':>7} {'done r0':>9} {'r1':>8}")
+    for k, row in enumerate(trace["rows"]):
+        done = ["-" if d is None else f"{d:.1f}" for d in row["done_ms"]]
+        print(
+            f"  {k:>3} {row['op']:<24} {row['launch_ms'][0]:>10.1f} {row['launch_ms'][1]:>8.1f}"
+            f" {row['skew_ms']:>+7.1f} {done[0]:>9} {done[1]:>8}"
+        )
+    print(f"  launch skew: median {trace['median_skew_ms']:.1f} ms, largest {trace['max_skew_ms']:.1f} ms")
+    for rank, info in enumerate(trace["ranks"]):
+        cpu = ", ".join(f"{name} {ms:.0f}" for name, ms in sorted(info["cpu_ms"].items(), key=lambda x: -x[1]) if ms)
+        print(
+            f"  rank {rank}: profiled step {info['step_ms']:.0f} ms, blocked in waits {info['wait_ms']:.0f} ms;"
+            f" an unprofiled step ({info['cpu_wall_ms']:.0f} ms) used CPU ms: {cpu}; trace {info['path']}"
+        )
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -738,6 +929,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     modes = args.modes.split(",")
+    kernels = use_recv_first_kernels() if args.recv_first else None  # noqa: F841 - kept alive
     vocab, seq = vocab_and_seq(args.model, args.model_size)
     rate_bps = parse_rate(args.rate)
     if args.memory:
@@ -786,6 +978,16 @@ def worker(args: argparse.Namespace) -> None:
                 marks = runners["both"].traced_step(data[step_index["both"]], sampler.t0)
             if rank == 0:
                 out["link"] = link_phases(sampler.samples, marks, rate_bps)
+            if "comm-only" in runners:
+                dist.barrier()
+                with LinkSampler(ifname) as sampler:
+                    start = time.perf_counter() - sampler.t0
+                    runners["comm-only"].step(None)
+                    end = time.perf_counter() - sampler.t0
+                if rank == 0:
+                    out["link_replay"] = link_phases(sampler.samples, [("replay", start), ("end", end)], rate_bps)
+        if args.trace_dir:
+            out["trace"] = trace_step(runners["both"], data[step_index["both"]], Path(args.trace_dir), rank)
     out["process_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -1006,9 +1208,10 @@ class _nullcontext:
 
 
 class CommReplay:
-    """The collectives of one `both` step, launched and waited in graph order, no compute."""
+    """The collectives of one `both` step, launched and waited in graph order, no compute;
+    with ``recv_first``, as receive-first point-to-point exchanges (``exchange``)."""
 
-    def __init__(self, both: ModelRunner, world: int):
+    def __init__(self, both: ModelRunner, world: int, recv_first: bool = False):
         import torch
 
         import fsdp_overlap_plugin as fo
@@ -1019,6 +1222,8 @@ class CommReplay:
             for event in report[kind]["schedule"]["after"]:
                 if event["op"] in ("all_gather", "reduce_scatter", "all_to_all"):
                     numel = event["bytes"] // 4
+                    if recv_first and event["op"] == "reduce_scatter":
+                        raise SystemExit("comm-only+recv-first replays all-gathers and all-to-alls only")
                     if event["op"] == "all_gather":
                         bufs = (torch.randn(numel // world), torch.empty(numel))
                     elif event["op"] == "reduce_scatter":
@@ -1029,15 +1234,22 @@ class CommReplay:
                 elif event["op"] == "wait" and event["of"]:
                     self.plan.append(("wait", None, event["of"], None))
         self.peak_rss = 0.0
+        self.recv_first = recv_first
 
     def step(self, batch) -> None:
         import torch.distributed as dist
 
         base = rss_mib()
         works = {}
+        group = dist.group.WORLD
         for action, op, name, bufs in self.plan:
             if action == "launch":
                 src, dst = bufs
+                if self.recv_first:
+                    size = dist.get_world_size()
+                    ins = [src] * size if op == "all_gather" else list(src.chunk(size))
+                    works[name] = exchange(list(dst.chunk(size)), ins, group)
+                    continue
                 fn = {
                     "all_gather": dist.all_gather_into_tensor,
                     "reduce_scatter": dist.reduce_scatter_tensor,
@@ -1050,6 +1262,89 @@ class CommReplay:
             work.wait()
         self.peak_rss = max(self.peak_rss, rss_mib() - base)
         return None
+
+
+class Concurrent:
+    """The comm-only replay in a second thread while the compute-only step runs in this
+    one: both share the link and the CPUs, and neither waits for the other."""
+
+    def __init__(self, replay: CommReplay, compute: ModelRunner):
+        self.replay, self.compute = replay, compute
+        self.peak_rss = 0.0
+
+    def step(self, batch) -> float:
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.replay.step(None)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        loss = self.compute.step(batch)
+        thread.join()
+        if failed:
+            raise failed[0]
+        return loss
+
+
+EXCHANGE_TAG = 0x5F1D  # point-to-point slot of the receive-first exchanges
+
+
+def exchange(outs: list, ins: list, group):
+    """Rank ``r`` of ``group`` receives ``outs[p]`` from every peer ``p`` and sends it
+    ``ins[p]``, posting every receive before any send (gloo's collectives send first);
+    its own chunk is copied locally. Returns one work that waits for all of them."""
+    import torch.distributed as dist
+
+    class Works(dist.Work):
+        def __init__(self, works):
+            super().__init__()
+            self.works = works
+
+        def wait(self, timeout=None) -> bool:
+            for work in self.works:
+                work.wait()
+            return True
+
+    me = group.rank()
+    works = [group.recv([out], peer, EXCHANGE_TAG) for peer, out in enumerate(outs) if peer != me]
+    works += [group.send([src], peer, EXCHANGE_TAG) for peer, src in enumerate(ins) if peer != me]
+    if outs[me].data_ptr() != ins[me].data_ptr():
+        outs[me].copy_(ins[me])
+    return Works(works)
+
+
+def use_recv_first_kernels() -> object:
+    """``--recv-first``: this process's CPU kernels of the functional all-gather (out=
+    variant, what the bucketed graphs call) and all-to-all become ``exchange``. Returns
+    the library object (the kernels stay registered while it lives)."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    def all_gather_out(input, group_size, group_name, *, out):
+        group = c10d._resolve_process_group(group_name)
+        src = input.contiguous().view(-1)
+        outs = list(out.view(-1).chunk(group_size))
+        torch._C._distributed_c10d._register_work(out, exchange(outs, [src] * group_size, group))
+        return out
+
+    def all_to_all(input, output_split_sizes, input_split_sizes, group_name):
+        group = c10d._resolve_process_group(group_name)
+        size, rows = group.size(), input.shape[0]
+        out_sizes = list(output_split_sizes) or [rows // size] * size
+        in_sizes = list(input_split_sizes) or [rows // size] * size
+        out = input.new_empty((sum(out_sizes), *input.shape[1:]))
+        work = exchange(list(out.split(out_sizes)), list(input.contiguous().split(in_sizes)), group)
+        torch._C._distributed_c10d._register_work(out, work)
+        return out
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor_out", all_gather_out, "CPU")
+    lib.impl("all_to_all_single", all_to_all, "CPU")
+    return lib
 
 
 def _cpu_rates() -> tuple[float, float]:
@@ -1120,7 +1415,9 @@ def make_runner(
     import fsdp_overlap_plugin as fo
 
     if mode in REPLAYS:
-        return CommReplay(runners[REPLAYS[mode]], world)
+        return CommReplay(runners[REPLAYS[mode]], world, recv_first=mode.endswith("recv-first"))
+    if mode in CONCURRENT:
+        return Concurrent(*(runners[m] for m in CONCURRENT[mode]))
     model = build_model(model_name, size)
     loss = loss_for(model_name, model)
     if mode == "compute-only":

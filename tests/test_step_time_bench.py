@@ -60,3 +60,118 @@ def test_unknown_mode_is_rejected():
         text=True,
     )
     assert out.returncode == 2 and "unknown mode(s) ['fast']" in out.stderr
+
+
+def test_link_phases_counts_both_directions():
+    # 1 Mbit/s link: rank 0 sends the whole 0.2 s, receives only during the first 0.1 s
+    samples = [(i * 0.01, i * 1000, min(i, 10) * 1000) for i in range(21)]
+    marks = [("forward", 0.0), ("backward", 0.1), ("end", 0.2)]
+    phases = step_time.link_phases(samples, marks, rate_bps=1e6)["phases"]
+    assert [p["busy_fraction"] for p in phases] == pytest.approx([1.0, 1.0])
+    assert [p["both_fraction"] for p in phases] == pytest.approx([1.0, 0.0])
+
+
+def _trace(start: float, launches: list[float], done: list[float], wait: float) -> dict:
+    return {
+        "step_ms": [start, start + 100.0],
+        "launches": [(t, "allgather_base") for t in launches],
+        "runs": [(t, d) for t, d in zip(launches, done)],
+        "wait_ms": wait,
+        "cpu_ms": {"main": 60.0, "gloo_tcp_loop": 20.0},
+        "cpu_wall_ms": 99.0,
+        "path": "trace.json",
+    }
+
+
+def test_trace_summary_lines_up_the_ranks():
+    r0 = _trace(1000.0, [1001.0, 1010.0, 1050.0], [1009.0, 1040.0, 1090.0], 30.0)
+    r1 = _trace(1002.0, [1003.0, 1030.0, 1045.0], [1012.0, 1041.0, 1080.0], 10.0)
+    trace = step_time.trace_summary([{"trace": r0}, {"trace": r1}])
+    assert [row["launch_ms"] for row in trace["rows"]] == [[1.0, 3.0], [10.0, 30.0], [50.0, 45.0]]
+    assert [row["skew_ms"] for row in trace["rows"]] == [2.0, 20.0, -5.0]
+    assert trace["rows"][1]["done_ms"] == [40.0, 41.0]
+    assert trace["max_skew_ms"] == 20.0 and trace["median_skew_ms"] == 5.0
+    assert [r["wait_ms"] for r in trace["ranks"]] == [30.0, 10.0]
+    assert step_time.trace_summary([{"trace": r0}, {}]) is None  # one rank without a trace
+    step_time.print_trace(trace)  # formats
+
+
+def test_summary_recv_first_and_overlap_bounds():
+    def rank(times_by_mode):
+        return {"modes": {m: {"times": t, "losses": [1.0], "peak_rss_mib": 1.0} for m, t in times_by_mode.items()}}
+
+    times = {
+        "both": [0.70],
+        "compute-only": [0.20],
+        "comm-only": [0.60],
+        "comm-only+recv-first": [0.50],
+        "comm+compute": [0.62],
+    }
+    summary = step_time.summarize([rank(times), rank(times)], rate_bps=None)
+    assert summary["recv_first_bound_s"] == pytest.approx(0.50)
+    assert summary["overlap_bound_s"] == pytest.approx(0.62)
+    both = summary["rows"]["both"]
+    assert both["x_transport"] == pytest.approx(0.70 / 0.60)
+    assert both["x_recv_first"] == pytest.approx(0.70 / 0.50)
+    assert both["x_overlap"] == pytest.approx(0.70 / 0.62)
+
+
+@pytest.mark.parametrize(
+    "modes, message",
+    [
+        ("both,comm+compute", "comm+compute runs comm-only and compute-only at once: list both before it"),
+        ("compute-only,comm-only+recv-first", "comm-only+recv-first replays the collectives of a `both` step"),
+    ],
+)
+def test_modes_that_need_others_say_which(modes, message):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--modes", modes],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and message in out.stderr
+
+
+def _exchange_vs_gloo(rank: int, world: int) -> dict:
+    """The receive-first exchange (``--recv-first``, and the recv-first replay) against
+    gloo's own collectives, bitwise: directly, and through the replaced kernels of the
+    functional ops the compiled graphs call."""
+    import torch
+    import torch.distributed as dist
+
+    bench = _bench.load("step_time")
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(rank)
+    shard = torch.randn(5, 3, generator=g)
+    rows = torch.randn(world * 4, 3, generator=g)
+    gathered, swapped = torch.empty(world * 5, 3), torch.empty_like(rows)
+    dist.all_gather_into_tensor(gathered, shard)
+    dist.all_to_all_single(swapped, rows)
+
+    out = torch.empty_like(gathered)
+    bench.exchange(list(out.chunk(world)), [shard] * world, group).wait()
+    direct_gather = torch.equal(out, gathered)
+    out = torch.empty_like(rows)
+    bench.exchange(list(out.chunk(world)), list(rows.chunk(world)), group).wait()
+    direct_swap = torch.equal(out, swapped)
+
+    c10d = torch.ops._c10d_functional
+    lib = bench.use_recv_first_kernels()
+    buf = torch.zeros(world * 5 * 3)
+    slot = buf.narrow(0, rank * 15, 15)
+    slot.copy_(shard.reshape(-1))  # in place, as the bucketed graphs gather
+    res = c10d.wait_tensor(c10d.all_gather_into_tensor_out(slot, world, group.group_name, out=buf))
+    kernel_gather = torch.equal(res.view(world * 5, 3), gathered)
+    res = c10d.wait_tensor(c10d.all_to_all_single(rows, [4] * world, [4] * world, group.group_name))
+    kernel_swap = torch.equal(res, swapped)
+    del lib
+    return {"direct": (direct_gather, direct_swap), "kernels": (kernel_gather, kernel_swap)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_recv_first_exchange_equals_gloo_collectives(world):
+    from _dist import run_ranks
+
+    for result in run_ranks(_exchange_vs_gloo, world=world):
+        assert result == {"direct": (True, True), "kernels": (True, True)}
