@@ -130,6 +130,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import json
 import os
 import resource
@@ -342,6 +343,7 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
     overlap = rows.get("comm+compute", {}).get("median_s")
     recv_first = rows.get("comm-only+recv-first", {}).get("median_s")
     transport = max(compute, comm) if compute and comm else None  # the defaults' collectives
+    recv_first_bound = max(compute, recv_first) if compute and recv_first else None
     transport_native = max(compute, comm_native) if compute and comm_native else None
     ideal_bytes = r0.get("ideal_bytes")
     ideal = max(compute, ideal_bytes * 8 / rate_bps) if compute and ideal_bytes and rate_bps else None
@@ -351,16 +353,14 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
         row["x_transport"] = row["median_s"] / bound if bound else None
         row["x_ideal"] = row["median_s"] / ideal if ideal else None
         row["x_overlap"] = row["median_s"] / overlap if overlap and mode in A2A_MODES else None
-        row["x_recv_first"] = (
-            row["median_s"] / max(compute, recv_first) if compute and recv_first and mode in A2A_MODES else None
-        )
+        row["x_recv_first"] = row["median_s"] / recv_first_bound if recv_first_bound and mode in A2A_MODES else None
     return {
         "rows": rows,
         "process_peak_rss_mib": [round(res.get("process_peak_rss_mib", 0)) for res in results],
         "transport_bound_s": transport,
         "transport_bound_native_s": transport_native,
         "overlap_bound_s": overlap,
-        "recv_first_bound_s": max(compute, recv_first) if compute and recv_first else None,
+        "recv_first_bound_s": recv_first_bound,
         "ideal_bound_s": ideal,
         "ideal_bytes": ideal_bytes,
         "link": r0.get("link"),
@@ -1293,10 +1293,9 @@ class Concurrent:
 EXCHANGE_TAG = 0x5F1D  # point-to-point slot of the receive-first exchanges
 
 
-def exchange(outs: list, ins: list, group):
-    """Rank ``r`` of ``group`` receives ``outs[p]`` from every peer ``p`` and sends it
-    ``ins[p]``, posting every receive before any send (gloo's collectives send first);
-    its own chunk is copied locally. Returns one work that waits for all of them."""
+@functools.cache
+def _works_class() -> type:
+    """A ``dist.Work`` that waits for several (made once; torch is imported lazily here)."""
     import torch.distributed as dist
 
     class Works(dist.Work):
@@ -1309,12 +1308,19 @@ def exchange(outs: list, ins: list, group):
                 work.wait()
             return True
 
+    return Works
+
+
+def exchange(outs: list, ins: list, group):
+    """Rank ``r`` of ``group`` receives ``outs[p]`` from every peer ``p`` and sends it
+    ``ins[p]``, posting every receive before any send (gloo's collectives send first);
+    its own chunk is copied locally. Returns one work that waits for all of them."""
     me = group.rank()
     works = [group.recv([out], peer, EXCHANGE_TAG) for peer, out in enumerate(outs) if peer != me]
     works += [group.send([src], peer, EXCHANGE_TAG) for peer, src in enumerate(ins) if peer != me]
     if outs[me].data_ptr() != ins[me].data_ptr():
         outs[me].copy_(ins[me])
-    return Works(works)
+    return _works_class()(works)
 
 
 def use_recv_first_kernels() -> object:
