@@ -31,6 +31,9 @@ left to the root).
     compute-only       the same model and per-rank batch, unsharded, compiled: no comm
     comm-only          the collectives of one `both` step (forward and backward graphs,
                        launches and waits in graph order) replayed with no compute
+    both+receive-first the defaults with reduce_scatter_impl: receive_first (the gradient
+                       all-to-alls on the plugin's group that posts every receive before
+                       any send; only with --modes)
     comm-only+native   the same for `both+native`
     comm-only+recv-first
                        the same collectives' bytes as point-to-point exchanges, each rank
@@ -130,7 +133,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import json
 import os
 import resource
@@ -157,9 +159,10 @@ ALL_MODES = [
     "comm-only",
     "comm-only+native",
 ]
-A2A_MODES = {"both", "both+prefetch-2", "both+gather-group", "both+fsdp2-order"}  # on 2 gloo ranks: auto
+# all-to-all gradient reductions (on 2 gloo ranks auto runs them; receive-first: opt-in)
+A2A_MODES = {"both", "both+prefetch-2", "both+gather-group", "both+fsdp2-order", "both+receive-first"}
 # only when named in --modes (gather-group did not help on gloo: RESULTS.md)
-EXTRA_MODES = ["both+gather-group", "both+fsdp2-order", "comm-only+recv-first", "comm+compute"]
+EXTRA_MODES = ["both+gather-group", "both+fsdp2-order", "both+receive-first", "comm-only+recv-first", "comm+compute"]
 QUICK_MODES = ["fsdp2-eager", "both", "both+prefetch-2", "compute-only", "comm-only"]
 REPLAYS = {"comm-only": "both", "comm-only+native": "both+native", "comm-only+recv-first": "both"}
 CONCURRENT = {"comm+compute": ("comm-only", "compute-only")}  # run at once, in two threads
@@ -1239,6 +1242,8 @@ class CommReplay:
     def step(self, batch) -> None:
         import torch.distributed as dist
 
+        from fsdp_overlap_plugin.exchange import exchange
+
         base = rss_mib()
         works = {}
         group = dist.group.WORLD
@@ -1290,45 +1295,14 @@ class Concurrent:
         return loss
 
 
-EXCHANGE_TAG = 0x5F1D  # point-to-point slot of the receive-first exchanges
-
-
-@functools.cache
-def _works_class() -> type:
-    """A ``dist.Work`` that waits for several (made once; torch is imported lazily here)."""
-    import torch.distributed as dist
-
-    class Works(dist.Work):
-        def __init__(self, works):
-            super().__init__()
-            self.works = works
-
-        def wait(self, timeout=None) -> bool:
-            for work in self.works:
-                work.wait()
-            return True
-
-    return Works
-
-
-def exchange(outs: list, ins: list, group):
-    """Rank ``r`` of ``group`` receives ``outs[p]`` from every peer ``p`` and sends it
-    ``ins[p]``, posting every receive before any send (gloo's collectives send first);
-    its own chunk is copied locally. Returns one work that waits for all of them."""
-    me = group.rank()
-    works = [group.recv([out], peer, EXCHANGE_TAG) for peer, out in enumerate(outs) if peer != me]
-    works += [group.send([src], peer, EXCHANGE_TAG) for peer, src in enumerate(ins) if peer != me]
-    if outs[me].data_ptr() != ins[me].data_ptr():
-        outs[me].copy_(ins[me])
-    return _works_class()(works)
-
-
 def use_recv_first_kernels() -> object:
     """``--recv-first``: this process's CPU kernels of the functional all-gather (out=
     variant, what the bucketed graphs call) and all-to-all become ``exchange``. Returns
     the library object (the kernels stay registered while it lives)."""
     import torch
     import torch.distributed.distributed_c10d as c10d
+
+    from fsdp_overlap_plugin.exchange import exchange
 
     def all_gather_out(input, group_size, group_name, *, out):
         group = c10d._resolve_process_group(group_name)
@@ -1444,6 +1418,7 @@ def make_runner(
         "both+prefetch-2": {"prefetch_depth": 2},
         "both+gather-group": {"separate_gather_group": True},
         "both+fsdp2-order": {"max_prefetch_bytes": "1024GiB"},
+        "both+receive-first": {"reduce_scatter_impl": "receive_first"},
         "torch-auto": passes,
     }[mode]
     if plan == "blocks":

@@ -112,9 +112,18 @@ def reduce_scatter_choice(
     ``auto`` picks, per backend, the implementation that moves the fewest bytes among those
     bitwise equal to the backend's own reduce-scatter: all-to-all plus a local sum on gloo
     with 2 ranks per shard group (half the bytes of gloo's clone plus all-reduce), native
-    everywhere else. An explicit ``native`` or ``all_to_all`` is kept as it is."""
+    everywhere else. An explicit ``native`` or ``all_to_all`` is kept as it is;
+    ``receive_first`` (all-to-all plus a local sum on a group that posts every receive
+    before any send, ``exchange.py``) exists for gloo only, elsewhere it is an error."""
     if not compiled:
         return "native", "compile: false runs eager fully_shard, which reduce-scatters natively"
+    if requested == "receive_first" and backend != "gloo":
+        from .config import OverlapConfigError
+
+        raise OverlapConfigError(
+            f"reduce_scatter_impl: receive_first reorders gloo's point-to-point sends and receives; "
+            f"{backend} has no such mode. Valid on {backend}: auto, native, all_to_all."
+        )
     if requested != "auto":
         return requested, "set in the config"
     if shard_size is None or shard_size < 2:

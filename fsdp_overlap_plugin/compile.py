@@ -120,8 +120,8 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
     ),
     PassEntry(
         "all_to_all",
-        lambda gm, state: passes.reduce_scatter_as_all_to_all(gm),
-        lambda kind, state: kind == "backward" and state.reduce_scatter_impl == "all_to_all",
+        lambda gm, state: passes.reduce_scatter_as_all_to_all(gm, state.exchange_groups),
+        lambda kind, state: kind == "backward" and state.reduce_scatter_impl in ("all_to_all", "receive_first"),
     ),
     # after every reordering: turn the final order into dependencies inductor keeps
     PassEntry(

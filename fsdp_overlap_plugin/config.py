@@ -52,7 +52,7 @@ _DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
     "fp32": (torch.float32, ("fp32", "float32", "float", "torch.float32")),
 }
 _BACKENDS = ("inductor", "aot_eager")
-_REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all")
+_REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all", "receive_first")
 AC_POLICIES = ("full", "matmuls_saved")  # activation_checkpointing_policy; passes/checkpointing.py implements each
 _RANK_CHECK = ("error", "warn", "off")
 _ON_COMPILE_ERROR = ("raise", "eager")
@@ -262,8 +262,12 @@ class OverlapConfig:
     reduce_scatter_tensor is a clone plus a full all-reduce, "all_to_all" sends half the
     bytes; it is bitwise equal on 2 ranks per shard group (checked on 2, 3 and 4), and only
     equal up to summation order on more, so "auto" picks it on gloo with 2 ranks per shard
-    group and native everywhere else (nccl, hccl, gloo with more ranks). The report says
-    which ran and why. Only read with compile: true."""
+    group and native everywhere else (nccl, hccl, gloo with more ranks). "receive_first"
+    (gloo only, opt-in): the all-to-alls of "all_to_all" on a group of the shard group's
+    ranks that posts every receive before any send, where gloo's own sends first and so
+    uses the link one direction at a time (0.625 vs 0.681 s per step at 300 Mbit on 2
+    ranks, benchmarks/RESULTS.md); bitwise equal to "all_to_all"; an error on nccl/hccl.
+    The report says which ran and why. Only read with compile: true."""
 
     prefetch_depth: int = 1
     """How many buckets ahead parameter all-gathers launch, in forward and backward: 1

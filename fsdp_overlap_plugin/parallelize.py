@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import accelerators, hf
 from .activation_checkpointing import apply_activation_checkpointing
 from .config import OverlapConfig, OverlapConfigError
+from .exchange import build_receive_first_group
 from .passes.plan_index import BucketIndex
 from .preflight import preflight
 from .sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
@@ -110,6 +111,9 @@ def parallelize(
         state.local_layout = local_layout(model)
         if _separate_gather_group(config, device_type):
             state.gather_group = build_gather_group(mesh)
+        if state.reduce_scatter_impl == "receive_first":
+            shard_group = mesh.get_group(mesh.ndim - 1)
+            state.exchange_groups = {shard_group.group_name: build_receive_first_group(shard_group)}
         # imported only to compile (as inductor_passes is only to compile with inductor):
         # `import fsdp_overlap_plugin`, the report, the adapters and compile: false never
         # load the compile wiring

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .config import MEMORY_ORDER_WORDS
 from .costmodel import predicted
+from .exchange import exchanges_run
 from .records import KINDS, SUMMARY_STATS, record_name, summarize_pass
 from .state import get_state
 
@@ -74,6 +75,10 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             "requested": config.reduce_scatter_impl,
             "impl": state.reduce_scatter_impl,
             "reason": state.reduce_scatter_reason,
+            # receive_first: the group the all-to-alls run on, and how many ran there (a
+            # run whose all-to-alls never reached it shows 0)
+            "groups": sorted(state.exchange_groups.values()),
+            "exchanges": sum(exchanges_run(name) for name in state.exchange_groups.values()),
         },
         "prefetch": prefetch_total(state.records, config),
         "plan": state.plan,
@@ -272,6 +277,11 @@ def format_report(report: dict[str, Any]) -> str:
     if rs and report["mode"] == "compiled":
         chosen = rs["impl"] if rs["requested"] == rs["impl"] else f"{rs['requested']} -> {rs['impl']}"
         lines.append(f"  gradient reduce-scatter: {chosen} ({rs['reason']})")
+        for group in rs.get("groups") or []:
+            lines.append(
+                f"  all-to-alls on {group}, every receive posted before any send: "
+                f"{rs['exchanges']} run in this process so far"
+            )
     prefetch = report.get("prefetch") or {}
     shown = [k for k in KINDS if k in prefetch]
     if shown:

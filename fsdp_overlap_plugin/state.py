@@ -63,6 +63,8 @@ class OverlapState:
     local_layout: str = ""  # digest of this rank's shard shapes (they differ across ranks when uneven)
     checkpointed: list[str] = field(default_factory=list)  # modules whose forward is recomputed in backward
     reduce_scatter_impl: str = "native"  # what reduce_scatter_impl resolved to (auto -> native / all_to_all)
+    # receive_first: shard group name -> the receive-first group over it (exchange.py)
+    exchange_groups: dict[str, str] = field(default_factory=dict)
     reduce_scatter_reason: str = ""  # why (accelerators.reduce_scatter_choice)
 
     def uuid(self) -> str:
@@ -122,6 +124,7 @@ def _pass_uuid(state: OverlapState) -> str:
         "gather_group": state.gather_group,
         "checkpointed": state.checkpointed,
         "reduce_scatter_impl": state.reduce_scatter_impl,
+        "exchange_groups": state.exchange_groups,
         "source": _SOURCE_DIGEST,
         "torch": compat.TORCH_VERSION,
     }

@@ -20,6 +20,8 @@ VARIANTS = {
     "both": {},  # the defaults: on 2 gloo ranks reduce_scatter_impl auto runs all-to-all
     "both+native": {"reduce_scatter_impl": "native"},
     "both+gather_group": {"separate_gather_group": True},
+    # the same all-to-alls on the plugin's group that posts every receive before any send
+    "both+receive_first": {"reduce_scatter_impl": "receive_first"},
     "prefetch_2": {"prefetch_depth": 2},
     # a budget of two blocks (195.25 KiB each): depth 2 only where the window fits
     "prefetch_2+budget": {"prefetch_depth": 2, "max_prefetch_bytes": 2 * 199_936},
@@ -59,6 +61,7 @@ def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
     native = results["both+native"]["report"]
     assert native["reduce_scatter"]["impl"] == "native" and "all_to_all" not in native["backward"]["passes"]
     assert "reduce_scatter_as_all_to_all" not in native["backward"]["after"]
+    _assert_receive_first(results["both+receive_first"]["report"], len(reference["losses"]))
     # prefetch depth: forward buckets in plan order, backward in reverse (its first bucket
     # is the one the forward kept gathered; the embeddings need no weights in backward)
     assert both["prefetch"]["forward"]["depths"] == [1, 1, 1, 1, 1, 1]
@@ -75,13 +78,23 @@ def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
     assert budget["backward"]["depths"] == [0, 1, 1]
 
 
+def _assert_receive_first(report: dict, steps: int) -> None:
+    rs = report["reduce_scatter"]
+    assert rs["impl"] == "receive_first" and rs["reason"] == "set in the config"
+    assert len(rs["groups"]) == 1 and rs["groups"][0].startswith("fsdp_overlap_receive_first:")
+    assert report["backward"]["after"]["reduce_scatter_as_all_to_all"] == 6
+    # every gradient all-to-all of every step ran on that group, none on gloo's own
+    assert rs["exchanges"] == 6 * steps
+
+
 def test_inductor_losses_equal_within_1e6():
     # prefetch_2+budget: under a budget the passes follow FSDP2's memory order (each prefetch
     # after the previous copy-out, each reduce-scatter waited before the next copy-in) and
     # inductor frees dead buffers at their last use; trained here with inductor's own code
-    results = run_ranks(_variants, "inductor", ["off", "both", "prefetch_2+budget"])[0]
+    results = run_ranks(_variants, "inductor", ["off", "both", "prefetch_2+budget", "both+receive_first"])[0]
     off = results["off"]
-    for name in ("both", "prefetch_2+budget"):
+    _assert_receive_first(results["both+receive_first"]["report"], len(off["losses"]))
+    for name in ("both", "prefetch_2+budget", "both+receive_first"):
         result = results[name]
         for a, b in zip(off["losses"], result["losses"]):
             assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (name, off["losses"], result["losses"])

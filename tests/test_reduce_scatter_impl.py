@@ -16,6 +16,8 @@ from _fake import fake_world
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.accelerators import GLOO_ALL_TO_ALL_BITWISE, reduce_scatter_choice
 from fsdp_overlap_plugin.cli import main
+from fsdp_overlap_plugin.config import OverlapConfigError
+from fsdp_overlap_plugin.exchange import _LIVE, GROUP_PREFIX, build_receive_first_group, exchanges_run
 
 DTYPES = (torch.float32, torch.bfloat16)
 CHUNKS = (1, 7, 64, 1000, 4099)
@@ -120,3 +122,87 @@ def test_check_says_what_auto_picks(tmp_path, capsys):
     main(["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", "2"])
     text = capsys.readouterr().out
     assert "reduce-scatter  reduce_scatter_impl: auto -> native on nccl / hccl; all_to_all on gloo" in text
+
+
+# --- receive_first: the all-to-alls on a group that posts every receive before any send
+
+
+@pytest.mark.parametrize("backend", ["nccl", "hccl"])
+def test_receive_first_is_an_error_off_gloo(backend):
+    with pytest.raises(OverlapConfigError, match=rf"reduce_scatter_impl: receive_first .*{backend}.*auto, native"):
+        reduce_scatter_choice("receive_first", backend, 2)
+    assert reduce_scatter_choice("receive_first", "gloo", 4) == ("receive_first", "set in the config")
+
+
+def _exchange(rank: int, world: int) -> dict:
+    """The functional all-to-all (what the compiled graphs call) on a receive-first group
+    and gloo's all_to_all_single on the same tensors, even and uneven splits."""
+    name = build_receive_first_group(dist.group.WORLD)
+    out = {"equal": [], "name": name}
+    for trial, chunk in enumerate((1, 7, 1000)):
+        g = torch.Generator().manual_seed(100 * trial + rank)
+        x = torch.randn(world * chunk, 3, generator=g)
+        ours = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_to_all_single(x, [chunk] * world, [chunk] * world, name)
+        )
+        theirs = torch.empty_like(x)
+        dist.all_to_all_single(theirs, x)
+        out["equal"].append(torch.equal(ours, theirs))
+    # uneven: rank r sends r + p + 1 rows to peer p
+    send = [rank + p + 1 for p in range(world)]
+    recv = [p + rank + 1 for p in range(world)]
+    x = torch.arange(sum(send), dtype=torch.float32) + 1000 * rank
+    ours = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(x, recv, send, name))
+    theirs = torch.empty(sum(recv))
+    dist.all_to_all_single(theirs, x, recv, send)
+    out["equal"].append(torch.equal(ours, theirs))
+    out["exchanges"] = exchanges_run(name)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_receive_first_all_to_all_equals_gloo_bitwise(world):
+    for result in run_ranks(_exchange, world=world):
+        assert result["equal"] == [True] * 4 and result["exchanges"] == 4
+        assert result["name"].startswith(GROUP_PREFIX)
+
+
+@pytest.mark.parametrize(("world", "mesh"), [(2, None), (4, {"replicate": 2})])
+def test_receive_first_report(world, mesh):
+    report = _report(world, reduce_scatter_impl="receive_first", **({"mesh": mesh} if mesh else {}))
+    rs = report["reduce_scatter"]
+    assert rs["impl"] == "receive_first" and rs["reason"] == "set in the config"
+    (group,) = rs["groups"]
+    assert group.startswith(GROUP_PREFIX)
+    scattered = report["backward"]["after"]["reduce_scatter"]
+    assert scattered > 0 and report["backward"]["after"]["reduce_scatter_as_all_to_all"] == scattered
+    assert rs["exchanges"] == scattered  # one backward: each all-to-all ran on the group once
+    text = fo.format_report(report)
+    assert f"all-to-alls on {group}, every receive posted before any send: {scattered} run" in text
+
+
+def test_receive_first_group_is_made_once_per_shard_group():
+    with fake_world(2):
+        name = build_receive_first_group(dist.group.WORLD)
+        first = _LIVE[name]
+        assert build_receive_first_group(dist.group.WORLD) == name and _LIVE[name] is first
+        assert first.inner is dist.group.WORLD
+    with fake_world(2):  # a new world after destroy_process_group: the same name, a new group
+        assert build_receive_first_group(dist.group.WORLD) == name
+        assert _LIVE[name] is not first and _LIVE[name].inner is dist.group.WORLD
+        assert torch._C._distributed_c10d._resolve_process_group(name) is _LIVE[name]
+
+
+def test_check_says_receive_first_is_gloo_only(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("reduce_scatter_impl: receive_first\n")
+    args = ["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", "2"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["reduce_scatter"]["gloo"] == ["receive_first", "set in the config"]
+    assert out["reduce_scatter"]["nccl"][0] == "error" and "nccl has no such mode" in out["reduce_scatter"]["nccl"][1]
+    main(args)
+    text = capsys.readouterr().out
+    assert "reduce_scatter_impl: receive_first -> an error on nccl / hccl; receive_first on gloo" in text
+    assert "hccl has no such mode. Valid on hccl: auto, native, all_to_all." in text

@@ -133,11 +133,13 @@ def test_modes_that_need_others_say_which(modes, message):
 
 
 def _exchange_vs_gloo(rank: int, world: int) -> dict:
-    """The receive-first exchange (``--recv-first``, and the recv-first replay) against
-    gloo's own collectives, bitwise: directly, and through the replaced kernels of the
-    functional ops the compiled graphs call."""
+    """The plugin's receive-first exchange (which ``--recv-first`` and the recv-first
+    replay use for all-gathers too) against gloo's own collectives, bitwise: directly, and
+    through the replaced kernels of the functional ops the compiled graphs call."""
     import torch
     import torch.distributed as dist
+
+    from fsdp_overlap_plugin.exchange import exchange
 
     bench = _bench.load("step_time")
     group = dist.group.WORLD
@@ -149,10 +151,10 @@ def _exchange_vs_gloo(rank: int, world: int) -> dict:
     dist.all_to_all_single(swapped, rows)
 
     out = torch.empty_like(gathered)
-    bench.exchange(list(out.chunk(world)), [shard] * world, group).wait()
+    exchange(list(out.chunk(world)), [shard] * world, group).wait()
     direct_gather = torch.equal(out, gathered)
     out = torch.empty_like(rows)
-    bench.exchange(list(out.chunk(world)), list(rows.chunk(world)), group).wait()
+    exchange(list(out.chunk(world)), list(rows.chunk(world)), group).wait()
     direct_swap = torch.equal(out, swapped)
 
     c10d = torch.ops._c10d_functional

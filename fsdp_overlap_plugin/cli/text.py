@@ -224,8 +224,9 @@ def reduce_scatter_choices(config: OverlapConfig, shard_size: int | None) -> dic
     """Per backend, what ``reduce_scatter_impl`` resolves to (``reduce_scatter_choice``, the
     function ``parallelize`` calls) for ``shard_size`` ranks per shard group: ``{backend:
     [impl, reason]}``; with no world size given, gloo twice (2 ranks per shard group, and
-    more)."""
+    more). A value the backend rejects at startup is ``["error", why]``."""
     from ..accelerators import BACKENDS, reduce_scatter_choice
+    from ..config import OverlapConfigError
 
     out = {}
     for backend in BACKENDS.values():
@@ -233,7 +234,12 @@ def reduce_scatter_choices(config: OverlapConfig, shard_size: int | None) -> dic
         if shard_size is None and backend == "gloo":
             sizes = {"gloo (2 ranks per shard group)": 2, "gloo (more ranks)": 4}
         for label, size in sizes.items():
-            out[label] = list(reduce_scatter_choice(config.reduce_scatter_impl, backend, size, compiled=config.compile))
+            try:
+                out[label] = list(
+                    reduce_scatter_choice(config.reduce_scatter_impl, backend, size, compiled=config.compile)
+                )
+            except OverlapConfigError as error:
+                out[label] = ["error", str(error)]
     return out
 
 
@@ -243,10 +249,14 @@ def reduce_scatter_lines(choices: dict[str, list[str]], config: OverlapConfig) -
     by_impl: dict[str, list[str]] = {}
     for label, (impl, _) in choices.items():
         by_impl.setdefault(impl, []).append(label)
-    said = "; ".join(f"{impl} on {' / '.join(labels)}" for impl, labels in by_impl.items())
+    said = "; ".join(
+        f"{'an error' if impl == 'error' else impl} on {' / '.join(labels)}" for impl, labels in by_impl.items()
+    )
     lines = [f"reduce-scatter  reduce_scatter_impl: {config.reduce_scatter_impl} -> {said}"]
     if config.reduce_scatter_impl == "auto":
         lines += [f"{'':<16}{label}: {reason}" for label, (_, reason) in choices.items() if label.startswith("gloo")]
+    errors = {reason for impl, reason in choices.values() if impl == "error"}
+    lines += [f"{'':<16}{reason}" for reason in sorted(errors)]
     return lines
 
 

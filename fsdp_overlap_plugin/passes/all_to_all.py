@@ -15,6 +15,11 @@ bitwise identical to gloo's (adding two numbers is commutative); on more ranks t
 summation order may differ from the backend's, so results agree up to rounding.
 Run it after the bucketing and gradient-overlap passes: it keeps each launch and wait
 where those passes put them.
+
+``groups`` maps a reduce-scatter's group to another process group of the same ranks that
+runs its all-to-all (``reduce_scatter_impl: receive_first``: every receive posted before
+any send, ``exchange.py``); by default, and for groups it does not name, the all-to-all
+runs on the reduce-scatter's own group.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ __all__ = ["reduce_scatter_as_all_to_all"]
 aten = torch.ops.aten
 
 
-def reduce_scatter_as_all_to_all(gm: fx.GraphModule) -> dict:
-    """Rewrite every gradient reduce-scatter of ``gm`` (see module doc). Returns
+def reduce_scatter_as_all_to_all(gm: fx.GraphModule, groups: dict[str, str] | None = None) -> dict:
+    """Rewrite every gradient reduce-scatter of ``gm`` (see module doc), its all-to-all on
+    ``groups[its group]`` where named (a registered group of the same ranks). Returns
     ``{"rewritten": n}``. Changes only ``gm.graph``; the caller regenerates ``gm.forward``."""
     graph = gm.graph
     rewritten = 0
@@ -51,7 +57,9 @@ def reduce_scatter_as_all_to_all(gm: fx.GraphModule) -> dict:
         chunk = val.shape[0] // size
         rest = list(val.shape[1:])
         with graph.inserting_before(rs):
-            a2a = graph.call_function(C10D.all_to_all_single.default, (x, [chunk] * size, [chunk] * size, group))
+            a2a = graph.call_function(
+                C10D.all_to_all_single.default, (x, [chunk] * size, [chunk] * size, (groups or {}).get(group, group))
+            )
         a2a.meta.update({k: v for k, v in rs.meta.items() if k != "val"})
         a2a.meta["val"] = val  # same shape and dtype as the input
         users = data_users(wait)
