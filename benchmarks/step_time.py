@@ -16,8 +16,12 @@ left to the root).
     grad-overlap       + gradient reduce-scatter overlap only
     both               + both passes: the defaults (on 2 gloo ranks reduce_scatter_impl: auto
                        runs gradient reduce-scatters as all-to-all plus a local sum, half
-                       the bytes of gloo's own)
+                       the bytes of gloo's own, each all-to-all posting its receives before
+                       its sends: receive_first)
     both+native        the same with reduce_scatter_impl: native (gloo's reduce-scatter)
+    both+all-to-all    the same with reduce_scatter_impl: all_to_all (the all-to-alls on
+                       gloo's own group, which sends before it receives; the default
+                       before receive_first; only with --modes)
     both+prefetch-2    the defaults with prefetch_depth: 2
     both+gather-group  + parameter all-gathers on their own gloo group (only with --modes)
     both+fsdp2-order   the defaults with a memory budget too large to limit any prefetch
@@ -30,10 +34,11 @@ left to the root).
                        collectives costed at the link rate)
     compute-only       the same model and per-rank batch, unsharded, compiled: no comm
     comm-only          the collectives of one `both` step (forward and backward graphs,
-                       launches and waits in graph order) replayed with no compute
-    both+receive-first the defaults with reduce_scatter_impl: receive_first (the gradient
-                       all-to-alls on the plugin's group that posts every receive before
-                       any send; only with --modes)
+                       launches and waits in graph order) replayed with no compute, each
+                       as `both` runs it (its all-to-alls receive-first)
+    comm-only+all-to-all
+                       the same for `both+all-to-all` (gloo's all-to-alls; only with
+                       --modes, after both+all-to-all)
     comm-only+native   the same for `both+native`
     comm-only+recv-first
                        the same collectives' bytes as point-to-point exchanges, each rank
@@ -63,7 +68,8 @@ Losses agree across modes (the table's last column: the largest difference from
 fsdp2-eager over the timed steps, which see the same batches in every mode).
 
 Lower bounds: transport = max(compute-only, comm-only) for the rows that reduce-scatter
-as all-to-all (both, both+prefetch-2, both+gather-group), max(compute-only,
+as receive-first all-to-all (both, both+prefetch-2, both+gather-group, both+fsdp2-order),
+max(compute-only, comm-only+all-to-all) for both+all-to-all, max(compute-only,
 comm-only+native) for the others; ideal = max(compute-only, ideal bytes / link rate), where ideal
 bytes are what a ring all-gather and a reduce-scatter must send per rank. gloo's
 reduce_scatter_tensor is a clone plus a full all-reduce (about twice the ideal bytes),
@@ -159,12 +165,26 @@ ALL_MODES = [
     "comm-only",
     "comm-only+native",
 ]
-# all-to-all gradient reductions (on 2 gloo ranks auto runs them; receive-first: opt-in)
-A2A_MODES = {"both", "both+prefetch-2", "both+gather-group", "both+fsdp2-order", "both+receive-first"}
+# all-to-all gradient reductions (on 2 gloo ranks auto runs them receive-first)
+A2A_MODES = {"both", "both+prefetch-2", "both+gather-group", "both+fsdp2-order"}
+# the replay that is each other mode's transport bound (the rest: comm-only+native)
+OWN_REPLAY = {**{mode: "comm-only" for mode in A2A_MODES}, "both+all-to-all": "comm-only+all-to-all"}
 # only when named in --modes (gather-group did not help on gloo: RESULTS.md)
-EXTRA_MODES = ["both+gather-group", "both+fsdp2-order", "both+receive-first", "comm-only+recv-first", "comm+compute"]
+EXTRA_MODES = [
+    "both+gather-group",
+    "both+fsdp2-order",
+    "both+all-to-all",
+    "comm-only+all-to-all",
+    "comm-only+recv-first",
+    "comm+compute",
+]
 QUICK_MODES = ["fsdp2-eager", "both", "both+prefetch-2", "compute-only", "comm-only"]
-REPLAYS = {"comm-only": "both", "comm-only+native": "both+native", "comm-only+recv-first": "both"}
+REPLAYS = {
+    "comm-only": "both",
+    "comm-only+native": "both+native",
+    "comm-only+all-to-all": "both+all-to-all",
+    "comm-only+recv-first": "both",
+}
 CONCURRENT = {"comm+compute": ("comm-only", "compute-only")}  # run at once, in two threads
 MODEL_SIZES = {
     # name: (d_model, n_layer, n_head, vocab, seq); ~parameters in the comment
@@ -348,10 +368,12 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
     transport = max(compute, comm) if compute and comm else None  # the defaults' collectives
     recv_first_bound = max(compute, recv_first) if compute and recv_first else None
     transport_native = max(compute, comm_native) if compute and comm_native else None
+    replays = {name: rows[name]["median_s"] for name in REPLAYS if name in rows}
     ideal_bytes = r0.get("ideal_bytes")
     ideal = max(compute, ideal_bytes * 8 / rate_bps) if compute and ideal_bytes and rate_bps else None
     for mode, row in rows.items():
-        bound = transport if mode in A2A_MODES else transport_native
+        own = replays.get(OWN_REPLAY.get(mode, "comm-only+native"))
+        bound = max(compute, own) if compute and own else None
         row["x_eager"] = row["median_s"] / eager if eager else None
         row["x_transport"] = row["median_s"] / bound if bound else None
         row["x_ideal"] = row["median_s"] / ideal if ideal else None
@@ -396,7 +418,8 @@ def print_table(summary: dict, header: str) -> None:
     print("step RSS +MiB: the largest increase of resident memory during one step (gathered parameters,")
     print(f"activations, buffers) over the RSS at its start; process peak RSS r0/r1: {summary['process_peak_rss_mib']}")
     print(
-        f"transport bound max(compute-only, comm-only) = {t:.3f} s (rows {', '.join(sorted(A2A_MODES))})"
+        f"transport bound max(compute-only, comm-only) = {t:.3f} s (rows {', '.join(sorted(A2A_MODES))}; "
+        "both+all-to-all against comm-only+all-to-all)"
         if t
         else "transport bound: n/a"
     )
@@ -1211,8 +1234,10 @@ class _nullcontext:
 
 
 class CommReplay:
-    """The collectives of one `both` step, launched and waited in graph order, no compute;
-    with ``recv_first``, as receive-first point-to-point exchanges (``exchange``)."""
+    """The collectives of one `both` step, launched and waited in graph order, no compute,
+    each as that step runs it (all-to-alls receive-first where its ``reduce_scatter_impl``
+    resolved to ``receive_first``); with ``recv_first``, all of them as receive-first
+    point-to-point exchanges (``exchange``), all-gathers included."""
 
     def __init__(self, both: ModelRunner, world: int, recv_first: bool = False):
         import torch
@@ -1238,6 +1263,7 @@ class CommReplay:
                     self.plan.append(("wait", None, event["of"], None))
         self.peak_rss = 0.0
         self.recv_first = recv_first
+        self.a2a_first = report["reduce_scatter"]["impl"] == "receive_first"
 
     def step(self, batch) -> None:
         import torch.distributed as dist
@@ -1250,7 +1276,7 @@ class CommReplay:
         for action, op, name, bufs in self.plan:
             if action == "launch":
                 src, dst = bufs
-                if self.recv_first:
+                if self.recv_first or (op == "all_to_all" and self.a2a_first):
                     size = dist.get_world_size()
                     ins = [src] * size if op == "all_gather" else list(src.chunk(size))
                     works[name] = exchange(list(dst.chunk(size)), ins, group)
@@ -1418,7 +1444,7 @@ def make_runner(
         "both+prefetch-2": {"prefetch_depth": 2},
         "both+gather-group": {"separate_gather_group": True},
         "both+fsdp2-order": {"max_prefetch_bytes": "1024GiB"},
-        "both+receive-first": {"reduce_scatter_impl": "receive_first"},
+        "both+all-to-all": {"reduce_scatter_impl": "all_to_all"},
         "torch-auto": passes,
     }[mode]
     if plan == "blocks":

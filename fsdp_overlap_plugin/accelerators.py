@@ -110,11 +110,12 @@ def reduce_scatter_choice(
     ``backend`` with ``shard_size`` ranks per shard group, and why: ``(impl, reason)``.
 
     ``auto`` picks, per backend, the implementation that moves the fewest bytes among those
-    bitwise equal to the backend's own reduce-scatter: all-to-all plus a local sum on gloo
-    with 2 ranks per shard group (half the bytes of gloo's clone plus all-reduce), native
-    everywhere else. An explicit ``native`` or ``all_to_all`` is kept as it is;
-    ``receive_first`` (all-to-all plus a local sum on a group that posts every receive
-    before any send, ``exchange.py``) exists for gloo only, elsewhere it is an error."""
+    bitwise equal to the backend's own reduce-scatter: on gloo with 2 ranks per shard group
+    all-to-all plus a local sum (half the bytes of gloo's clone plus all-reduce), run as
+    ``receive_first`` (on a group that posts every receive before any send, ``exchange.py``:
+    the same bytes and results as gloo's all-to-all, both link directions busy at once);
+    native everywhere else. An explicit value is kept as it is; ``receive_first`` exists
+    for gloo only, elsewhere it is an error."""
     if not compiled:
         return "native", "compile: false runs eager fully_shard, which reduce-scatters natively"
     if requested == "receive_first" and backend != "gloo":
@@ -131,9 +132,10 @@ def reduce_scatter_choice(
     if backend != "gloo":
         return "native", f"{backend}'s reduce-scatter already sends each rank only its chunk"
     if shard_size in GLOO_ALL_TO_ALL_BITWISE:
-        return "all_to_all", (
+        return "receive_first", (
             "gloo's reduce-scatter is a clone plus a full all-reduce; all-to-all plus a local sum "
-            "sends half the bytes and is bitwise equal on 2 ranks per shard group"
+            "sends half the bytes and is bitwise equal on 2 ranks per shard group; each all-to-all "
+            "posts its receives before its sends (gloo's own sends first, one link direction at a time)"
         )
     return "native", (
         f"on gloo with {shard_size} ranks per shard group all-to-all plus a local sum adds in "

@@ -257,17 +257,18 @@ class OverlapConfig:
 
     reduce_scatter_impl: str = "auto"
     """How gradient reduce-scatters run: "native" (the backend's reduce_scatter_tensor),
-    "all_to_all" (all_to_all_single plus a local sum) or "auto": per backend and shard-group
-    size, the one that moves the fewest bytes while bitwise equal to native. On gloo, whose
-    reduce_scatter_tensor is a clone plus a full all-reduce, "all_to_all" sends half the
-    bytes; it is bitwise equal on 2 ranks per shard group (checked on 2, 3 and 4), and only
-    equal up to summation order on more, so "auto" picks it on gloo with 2 ranks per shard
-    group and native everywhere else (nccl, hccl, gloo with more ranks). "receive_first"
-    (gloo only, opt-in): the all-to-alls of "all_to_all" on a group of the shard group's
-    ranks that posts every receive before any send, where gloo's own sends first and so
-    uses the link one direction at a time (0.625 vs 0.681 s per step at 300 Mbit on 2
-    ranks, benchmarks/RESULTS.md); bitwise equal to "all_to_all"; an error on nccl/hccl.
-    The report says which ran and why. Only read with compile: true."""
+    "all_to_all" (all_to_all_single plus a local sum), "receive_first" (gloo only: those
+    all-to-alls on a group of the shard group's ranks that posts every receive before any
+    send) or "auto": per backend and shard-group size, the one that moves the fewest bytes
+    while bitwise equal to native. On gloo, whose reduce_scatter_tensor is a clone plus a
+    full all-reduce, the all-to-all sends half the bytes; it is bitwise equal on 2 ranks per
+    shard group (checked on 2, 3 and 4), and only equal up to summation order on more.
+    gloo's own all-to-all sends before it receives, so on a slow link the two directions
+    take turns; "receive_first" moves the same bytes with both directions busy (0.625 vs
+    0.681 s per step at 300 Mbit on 2 ranks, benchmarks/RESULTS.md), bitwise equal to
+    "all_to_all". So "auto" picks "receive_first" on gloo with 2 ranks per shard group and
+    native everywhere else (nccl, hccl, gloo with more ranks); "receive_first" is an error
+    on nccl/hccl. The report says which ran and why. Only read with compile: true."""
 
     prefetch_depth: int = 1
     """How many buckets ahead parameter all-gathers launch, in forward and backward: 1

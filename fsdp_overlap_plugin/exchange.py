@@ -133,7 +133,6 @@ def _registered(name: str) -> dist.ProcessGroup | None:
         return None
 
 
-def exchanges_run(name: str | None) -> int:
-    """How many all-to-alls the receive-first group ``name`` has run in this process."""
-    group = _LIVE.get(name) if name else None
-    return group.exchanges if group is not None else 0
+def exchanges_run(*names: str) -> int:
+    """How many all-to-alls the receive-first groups ``names`` have run in this process."""
+    return sum(_LIVE[name].exchanges for name in names if name in _LIVE)

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import accelerators, hf
 from .activation_checkpointing import apply_activation_checkpointing
 from .config import OverlapConfig, OverlapConfigError
-from .exchange import build_receive_first_group
+from .exchange import build_receive_first_group, exchanges_run
 from .passes.plan_index import BucketIndex
 from .preflight import preflight
 from .sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
@@ -114,6 +114,7 @@ def parallelize(
         if state.reduce_scatter_impl == "receive_first":
             shard_group = mesh.get_group(mesh.ndim - 1)
             state.exchange_groups = {shard_group.group_name: build_receive_first_group(shard_group)}
+            state.exchanges_before = exchanges_run(*state.exchange_groups.values())
         # imported only to compile (as inductor_passes is only to compile with inductor):
         # `import fsdp_overlap_plugin`, the report, the adapters and compile: false never
         # load the compile wiring

@@ -75,10 +75,10 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             "requested": config.reduce_scatter_impl,
             "impl": state.reduce_scatter_impl,
             "reason": state.reduce_scatter_reason,
-            # receive_first: the group the all-to-alls run on, and how many ran there (a
-            # run whose all-to-alls never reached it shows 0)
+            # receive_first: the group the all-to-alls run on, and how many ran there since
+            # this model was parallelized (a run whose all-to-alls never reached it shows 0)
             "groups": sorted(state.exchange_groups.values()),
-            "exchanges": sum(exchanges_run(name) for name in state.exchange_groups.values()),
+            "exchanges": exchanges_run(*state.exchange_groups.values()) - state.exchanges_before,
         },
         "prefetch": prefetch_total(state.records, config),
         "plan": state.plan,
@@ -280,7 +280,7 @@ def format_report(report: dict[str, Any]) -> str:
         for group in rs.get("groups") or []:
             lines.append(
                 f"  all-to-alls on {group}, every receive posted before any send: "
-                f"{rs['exchanges']} run in this process so far"
+                f"{rs['exchanges']} run since this model was parallelized"
             )
     prefetch = report.get("prefetch") or {}
     shown = [k for k in KINDS if k in prefetch]

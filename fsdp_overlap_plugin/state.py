@@ -65,6 +65,7 @@ class OverlapState:
     reduce_scatter_impl: str = "native"  # what reduce_scatter_impl resolved to (auto -> native / all_to_all)
     # receive_first: shard group name -> the receive-first group over it (exchange.py)
     exchange_groups: dict[str, str] = field(default_factory=dict)
+    exchanges_before: int = 0  # all-to-alls those groups had run when this model was parallelized
     reduce_scatter_reason: str = ""  # why (accelerators.reduce_scatter_choice)
 
     def uuid(self) -> str:

@@ -17,11 +17,11 @@ VARIANTS = {
     "off": {"manual_bucketing": False, "overlap_grad_reduce": False, "reduce_scatter_impl": "native"},
     "bucketing": {"manual_bucketing": True, "overlap_grad_reduce": False},
     "grad_overlap": {"manual_bucketing": False, "overlap_grad_reduce": True},
-    "both": {},  # the defaults: on 2 gloo ranks reduce_scatter_impl auto runs all-to-all
+    "both": {},  # the defaults: on 2 gloo ranks reduce_scatter_impl auto runs receive_first
     "both+native": {"reduce_scatter_impl": "native"},
     "both+gather_group": {"separate_gather_group": True},
-    # the same all-to-alls on the plugin's group that posts every receive before any send
-    "both+receive_first": {"reduce_scatter_impl": "receive_first"},
+    # the same all-to-alls on gloo's own group (which sends before it receives)
+    "both+all_to_all": {"reduce_scatter_impl": "all_to_all"},
     "prefetch_2": {"prefetch_depth": 2},
     # a budget of two blocks (195.25 KiB each): depth 2 only where the window fits
     "prefetch_2+budget": {"prefetch_depth": 2, "max_prefetch_bytes": 2 * 199_936},
@@ -52,16 +52,16 @@ def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
     assert results["off"]["report"]["forward"] is None  # no pass ran, nothing recorded
     gathered = results["both+gather_group"]["report"]["forward"]["passes"]["gather_group"]["moved"]
     assert gathered == 53  # every parameter all-gather moved to the second communicator
-    # auto chose all-to-all on 2 gloo ranks, and said why; native kept gloo's reduce-scatter
-    assert both["reduce_scatter"]["requested"] == "auto" and both["reduce_scatter"]["impl"] == "all_to_all"
-    assert "bitwise equal on 2 ranks" in both["reduce_scatter"]["reason"]
-    assert (
-        both["backward"]["after"]["reduce_scatter_as_all_to_all"] == 6 and both["backward"]["after"]["all_to_all"] == 0
-    )
+    # auto chose receive-first all-to-alls on 2 gloo ranks, and said why; native kept
+    # gloo's reduce-scatter; all_to_all ran them on gloo's own group
+    _assert_receive_first(both, len(reference["losses"]))
+    assert both["backward"]["after"]["all_to_all"] == 0
+    plain = results["both+all_to_all"]["report"]
+    assert plain["reduce_scatter"]["impl"] == "all_to_all" and plain["reduce_scatter"]["groups"] == []
+    assert plain["backward"]["after"]["reduce_scatter_as_all_to_all"] == 6
     native = results["both+native"]["report"]
     assert native["reduce_scatter"]["impl"] == "native" and "all_to_all" not in native["backward"]["passes"]
     assert "reduce_scatter_as_all_to_all" not in native["backward"]["after"]
-    _assert_receive_first(results["both+receive_first"]["report"], len(reference["losses"]))
     # prefetch depth: forward buckets in plan order, backward in reverse (its first bucket
     # is the one the forward kept gathered; the embeddings need no weights in backward)
     assert both["prefetch"]["forward"]["depths"] == [1, 1, 1, 1, 1, 1]
@@ -80,7 +80,8 @@ def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
 
 def _assert_receive_first(report: dict, steps: int) -> None:
     rs = report["reduce_scatter"]
-    assert rs["impl"] == "receive_first" and rs["reason"] == "set in the config"
+    assert rs["requested"] == "auto" and rs["impl"] == "receive_first"
+    assert "bitwise equal on 2 ranks" in rs["reason"] and "receives before its sends" in rs["reason"]
     assert len(rs["groups"]) == 1 and rs["groups"][0].startswith("fsdp_overlap_receive_first:")
     assert report["backward"]["after"]["reduce_scatter_as_all_to_all"] == 6
     # every gradient all-to-all of every step ran on that group, none on gloo's own
@@ -91,10 +92,10 @@ def test_inductor_losses_equal_within_1e6():
     # prefetch_2+budget: under a budget the passes follow FSDP2's memory order (each prefetch
     # after the previous copy-out, each reduce-scatter waited before the next copy-in) and
     # inductor frees dead buffers at their last use; trained here with inductor's own code
-    results = run_ranks(_variants, "inductor", ["off", "both", "prefetch_2+budget", "both+receive_first"])[0]
+    results = run_ranks(_variants, "inductor", ["off", "both", "prefetch_2+budget", "both+all_to_all"])[0]
     off = results["off"]
-    _assert_receive_first(results["both+receive_first"]["report"], len(off["losses"]))
-    for name in ("both", "prefetch_2+budget", "both+receive_first"):
+    _assert_receive_first(results["both"]["report"], len(off["losses"]))
+    for name in ("both", "prefetch_2+budget", "both+all_to_all"):
         result = results[name]
         for a, b in zip(off["losses"], result["losses"]):
             assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (name, off["losses"], result["losses"])

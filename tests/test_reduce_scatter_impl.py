@@ -56,13 +56,13 @@ def test_all_to_all_is_bitwise_equal_to_gloo_exactly_where_auto_uses_it(world):
                 assert equal < 10, (world, rank, dtype, equal)
     bitwise = all(all(v == 10 for v in r.values()) for r in results)
     impl, _ = reduce_scatter_choice("auto", "gloo", world)
-    assert (impl == "all_to_all") == bitwise
+    assert (impl == "receive_first") == bitwise  # all-to-all plus a local sum, receives first
 
 
 @pytest.mark.parametrize(
     ("requested", "backend", "size", "impl", "reason"),
     [
-        ("auto", "gloo", 2, "all_to_all", "bitwise equal on 2 ranks"),
+        ("auto", "gloo", 2, "receive_first", "bitwise equal on 2 ranks"),
         ("auto", "gloo", 3, "native", "equal only up to rounding"),
         ("auto", "gloo", 4, "native", "equal only up to rounding"),
         ("auto", "nccl", 2, "native", "already sends each rank only its chunk"),
@@ -94,26 +94,26 @@ def _report(world: int, **config) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("world", "mesh", "impl"), [(2, None, "all_to_all"), (4, None, "native"), (4, {"replicate": 2}, "all_to_all")]
+    ("world", "mesh", "impl"), [(2, None, "receive_first"), (4, None, "native"), (4, {"replicate": 2}, "receive_first")]
 )
 def test_parallelize_resolves_auto_per_shard_group(world, mesh, impl):
     report = _report(world, **({"mesh": mesh} if mesh else {}))
     assert report["reduce_scatter"]["requested"] == "auto" and report["reduce_scatter"]["impl"] == impl
     backward = report["backward"]
-    assert ("all_to_all" in backward["passes"]) == (impl == "all_to_all")
+    assert ("all_to_all" in backward["passes"]) == (impl == "receive_first")
     assert backward["after"].get("reduce_scatter_as_all_to_all", 0) == (
-        backward["after"]["reduce_scatter"] if impl == "all_to_all" else 0
+        backward["after"]["reduce_scatter"] if impl == "receive_first" else 0
     )
     text = fo.format_report(report)
     assert f"gradient reduce-scatter: auto -> {impl} (" in text
-    if impl == "all_to_all":
-        assert " a2a" in text  # the reduce-scatter column says how they ran
+    assert (" a2a" in text) == (impl == "receive_first")  # the reduce-scatter column says how they ran
+    assert (len(report["reduce_scatter"]["groups"]) == 1) == (impl == "receive_first")
 
 
 def test_check_says_what_auto_picks(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text("reduce_scatter_impl: auto\n")
-    for world, gloo in ((2, "all_to_all"), (4, "native")):
+    for world, gloo in ((2, "receive_first"), (4, "native")):
         code = main(
             ["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", str(world), "--json"]
         )
@@ -121,7 +121,7 @@ def test_check_says_what_auto_picks(tmp_path, capsys):
         assert code == 0 and out["reduce_scatter"]["gloo"][0] == gloo and out["reduce_scatter"]["nccl"][0] == "native"
     main(["check", str(path), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", "2"])
     text = capsys.readouterr().out
-    assert "reduce-scatter  reduce_scatter_impl: auto -> native on nccl / hccl; all_to_all on gloo" in text
+    assert "reduce-scatter  reduce_scatter_impl: auto -> native on nccl / hccl; receive_first on gloo" in text
 
 
 # --- receive_first: the all-to-alls on a group that posts every receive before any send
@@ -180,6 +180,22 @@ def test_receive_first_report(world, mesh):
     assert rs["exchanges"] == scattered  # one backward: each all-to-all ran on the group once
     text = fo.format_report(report)
     assert f"all-to-alls on {group}, every receive posted before any send: {scattered} run" in text
+
+
+def test_receive_first_count_starts_at_parallelize():
+    from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+
+    with fake_world(2):
+        counts = []
+        for steps in (1, 2):  # a second model in the same process counts only its own
+            torch.manual_seed(0)
+            model = gpt_small()
+            fo.parallelize(model, backend="aot_eager")
+            for x, y in fixed_batches(steps, 2, 16, 256):
+                loss_fn(model(x), y).backward()
+            report = fo.schedule_report(model)
+            counts.append(report["reduce_scatter"]["exchanges"] / report["backward"]["after"]["reduce_scatter"])
+        assert counts == [1, 2]
 
 
 def test_receive_first_group_is_made_once_per_shard_group():

@@ -116,6 +116,25 @@ def test_summary_recv_first_and_overlap_bounds():
     assert both["x_overlap"] == pytest.approx(0.70 / 0.62)
 
 
+def test_each_row_against_its_own_replay():
+    """both (receive-first all-to-alls) against comm-only, both+all-to-all against gloo's
+    all-to-alls replayed, both+native against gloo's reduce-scatters replayed."""
+    times = {
+        "both": [0.70],
+        "both+all-to-all": [0.75],
+        "both+native": [0.90],
+        "compute-only": [0.20],
+        "comm-only": [0.60],
+        "comm-only+all-to-all": [0.65],
+        "comm-only+native": [0.80],
+    }
+    rank = {"modes": {m: {"times": t, "losses": [1.0], "peak_rss_mib": 1.0} for m, t in times.items()}}
+    rows = step_time.summarize([rank, rank], rate_bps=None)["rows"]
+    assert rows["both"]["x_transport"] == pytest.approx(0.70 / 0.60)
+    assert rows["both+all-to-all"]["x_transport"] == pytest.approx(0.75 / 0.65)
+    assert rows["both+native"]["x_transport"] == pytest.approx(0.90 / 0.80)
+
+
 @pytest.mark.parametrize(
     "modes, message",
     [
