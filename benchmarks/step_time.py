@@ -955,6 +955,10 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     modes = args.modes.split(",")
+    # every compiled mode is its own model instance of one class: dynamo keeps one cache
+    # entry per instance on the same forward code, so more than 8 modes (its default
+    # recompile_limit) would be refused under fullgraph=True although none recompiles
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(modes))
     kernels = use_recv_first_kernels() if args.recv_first else None  # noqa: F841 - kept alive
     vocab, seq = vocab_and_seq(args.model, args.model_size)
     rate_bps = parse_rate(args.rate)

@@ -264,11 +264,12 @@ class OverlapConfig:
     full all-reduce, the all-to-all sends half the bytes; it is bitwise equal on 2 ranks per
     shard group (checked on 2, 3 and 4), and only equal up to summation order on more.
     gloo's own all-to-all sends before it receives, so on a slow link the two directions
-    take turns; "receive_first" moves the same bytes with both directions busy (0.625 vs
-    0.681 s per step at 300 Mbit on 2 ranks, benchmarks/RESULTS.md), bitwise equal to
-    "all_to_all". So "auto" picks "receive_first" on gloo with 2 ranks per shard group and
-    native everywhere else (nccl, hccl, gloo with more ranks); "receive_first" is an error
-    on nccl/hccl. The report says which ran and why. Only read with compile: true."""
+    take turns; "receive_first" moves the same bytes with both directions busy (0.728 vs
+    0.794 s per step on the repo GPT at 300 Mbit on 2 ranks, benchmarks/RESULTS.md),
+    bitwise equal to "all_to_all". So "auto" picks "receive_first" on gloo with 2 ranks per
+    shard group and native everywhere else (nccl, hccl, gloo with more ranks);
+    "receive_first" is an error on nccl/hccl. The report says which ran and why. Only read
+    with compile: true."""
 
     prefetch_depth: int = 1
     """How many buckets ahead parameter all-gathers launch, in forward and backward: 1
