@@ -84,7 +84,12 @@ class OverlapState:
         offset of its output (``passes/merge.py``), so with bucketing on the compiled
         code is the rank's own even when shards are even."""
         rank = self.rank if self.config.manual_bucketing else ""
-        return hashlib.sha256(f"{self.uuid()}:{self.local_layout}:{rank}".encode()).hexdigest()[:_DIGEST_CHARS]
+        # the process groups this rank's graphs name (the gather group, the receive-first
+        # groups): on an HSDP mesh each shard group has its own, so they belong here, not
+        # in uuid(), which must be the same on every rank
+        groups = f"{self.gather_group}:{sorted(self.exchange_groups.items())}"
+        key = f"{self.uuid()}:{self.local_layout}:{rank}:{groups}"
+        return hashlib.sha256(key.encode()).hexdigest()[:_DIGEST_CHARS]
 
     @property
     def passes_on(self) -> bool:
@@ -122,10 +127,12 @@ def _pass_uuid(state: OverlapState) -> str:
         "model": state.model_fingerprint,
         "world": state.world_size,
         "mesh": list(state.mesh_shape),
-        "gather_group": state.gather_group,
+        # whether they exist, not their names: a group's name depends on which shard group
+        # of an HSDP mesh this rank is in (the names are in cache_key())
+        "gather_group": state.gather_group is not None,
         "checkpointed": state.checkpointed,
         "reduce_scatter_impl": state.reduce_scatter_impl,
-        "exchange_groups": state.exchange_groups,
+        "exchange_groups": len(state.exchange_groups),
         "source": _SOURCE_DIGEST,
         "torch": compat.TORCH_VERSION,
     }

@@ -111,6 +111,10 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
     out = {
         "layout": dcp["layout"],
         "backward": {"aot_eager": aot_eager["report"]["backward"], "inductor": inductor["report"]["backward"]},
+        "reduce_scatter": {
+            "aot_eager": aot_eager["report"]["reduce_scatter"],
+            "inductor": inductor["report"]["reduce_scatter"],
+        },
     }
     if rank == 0:
         out.update(aot_eager=aot_eager, inductor=inductor, dcp=dcp)
@@ -180,8 +184,11 @@ def test_backward_reduce_scatters_then_all_reduces_each_bucket(results, backend)
         events = backward["schedule"]["after"]
         at = {e["name"]: i for i, e in enumerate(events)}
         waits = {e["of"]: i for i, e in enumerate(events) if e["op"] == "wait"}
-        # 2 ranks per shard group on gloo: reduce_scatter_impl auto runs them as all-to-alls
+        # 2 ranks per shard group on gloo: reduce_scatter_impl auto runs them as all-to-alls,
+        # receive-first, on a group over this rank's own shard group
         assert backward["after"]["reduce_scatter_as_all_to_all"] == entries, (rank, backward["after"])
+        chosen = result["reduce_scatter"][backend]
+        assert chosen["impl"] == "receive_first" and chosen["exchanges"] == entries * STEPS, (rank, chosen)
         scatters = {e["bucket"]: e for e in events if e["op"] in ("reduce_scatter", "all_to_all")}
         reduces = {e["bucket"]: e for e in events if e["op"] == "all_reduce"}
         assert sorted(scatters) == sorted(reduces) == list(range(entries)), (rank, events)
@@ -195,6 +202,15 @@ def test_backward_reduce_scatters_then_all_reduces_each_bucket(results, backend)
                 assert ar["bytes"] * HSDP["shard"] == rs["bytes"], (bucket, rs, ar)
             else:
                 assert 0 < ar["bytes"] * HSDP["shard"] <= rs["bytes"], (rank, bucket, rs, ar)
+
+
+def test_each_shard_group_has_its_own_receive_first_group(results):
+    """Ranks 0-1 and 2-3 shard over different groups, so their receive-first groups differ
+    by name; the rank agreement still lines them up (a name in its key once made ranks 0-1
+    and 2-3 wait for each other until rank_check_timeout)."""
+    names = [tuple(r["reduce_scatter"]["inductor"]["groups"]) for r in results]
+    assert all(len(n) == 1 and n[0].startswith("fsdp_overlap_receive_first:") for n in names), names
+    assert names[0] == names[1] and names[2] == names[3] and names[0] != names[2], names
 
 
 def test_checkpoint_from_2x2_loads_at_1x4_and_4x1(results):

@@ -237,3 +237,28 @@ def test_cache_key_carries_the_rank_only_where_merged_all_gathers_write_at_its_o
     assert on0 != on1 and uuid0 == uuid1
     (off0, off1), _ = keys(manual_bucketing=False)
     assert off0 == off1
+
+
+def test_uuid_is_the_same_on_every_shard_group_of_an_hsdp_mesh():
+    """On a 2x2 mesh, ranks 0-1 and ranks 2-3 shard over different process groups, each
+    with its own gather group and receive-first group (names "1" and "2", say). ``uuid()``
+    keys the rank agreement, so it must not carry those names: with them, ranks 0-1 and
+    2-3 waited for each other under different keys until rank_check_timeout. The names
+    still reach the cache key (the compiled graphs name the groups)."""
+    import dataclasses
+
+    from fsdp_overlap_plugin.config import OverlapConfig
+    from fsdp_overlap_plugin.state import OverlapState
+
+    base = OverlapState(
+        OverlapConfig(separate_gather_group=True), [["blocks.0"]], "cpu", 4, (2, 2), local_layout="even"
+    )
+    groups = [
+        dataclasses.replace(base, rank=r, gather_group=g, exchange_groups={s: f"fsdp_overlap_receive_first:{s}"})
+        for r, g, s in ((0, "5", "1"), (2, "6", "2"))
+    ]
+    assert groups[0].uuid() == groups[1].uuid()
+    assert dataclasses.replace(groups[1], rank=0).cache_key() != groups[0].cache_key()
+    # and whether there is a gather group / receive-first group at all still changes uuid()
+    assert dataclasses.replace(base, gather_group=None).uuid() != groups[0].uuid()
+    assert dataclasses.replace(base, gather_group="5").uuid() != groups[0].uuid()
