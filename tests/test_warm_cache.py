@@ -259,6 +259,7 @@ def test_uuid_is_the_same_on_every_shard_group_of_an_hsdp_mesh():
     ]
     assert groups[0].uuid() == groups[1].uuid()
     assert dataclasses.replace(groups[1], rank=0).cache_key() != groups[0].cache_key()
-    # and whether there is a gather group / receive-first group at all still changes uuid()
-    assert dataclasses.replace(base, gather_group=None).uuid() != groups[0].uuid()
-    assert dataclasses.replace(base, gather_group="5").uuid() != groups[0].uuid()
+    # whether there is a gather group, and a receive-first group, at all still changes uuid()
+    with_gather_group = dataclasses.replace(base, gather_group="5")
+    assert with_gather_group.uuid() != base.uuid()  # differs in the gather group only
+    assert with_gather_group.uuid() != groups[0].uuid()  # differs in the receive-first group only
