@@ -92,7 +92,12 @@ rank runs one more `both` step under torch.profiler and writes ``DIR/trace<rank>
 between them, each rank's time blocked in waits, and the CPU time of the step's threads
 (the main thread, gloo's TCP loop and its worker threads). The link lines also give the
 share of each phase in which both directions moved data, for the `both` step and for the
-comm-only replay.
+comm-only replay. With comm-only in the run, ``schedule_sim.py`` then replays the traced
+step's schedule (each rank's compute between collective calls, as traced) over an ideal
+link at the replay's rate, once with the ranks in step and once with each rank's own
+compute, and prints the three against the bound max(traced compute, replay): what the
+schedule itself leaves exposed, what the ranks falling out of step add, and what the
+real link and collectives add.
 
     sudo python benchmarks/step_time.py                  # 300 Mbit, default model, all modes
     python benchmarks/step_time.py --quick               # < 3 minutes, fewer modes and steps
@@ -151,6 +156,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import schedule_sim
 
 ALL_MODES = [
     "fsdp2-eager",
@@ -390,7 +397,7 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
         "ideal_bytes": ideal_bytes,
         "link": r0.get("link"),
         "link_replay": r0.get("link_replay"),
-        "trace": trace_summary(results),
+        "trace": trace_summary(results, comm, compute),
     }
 
 
@@ -874,7 +881,7 @@ def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
-    launches, runs, wait_ms = [], [], 0.0
+    launches, runs, calls, wait_ms = [], [], [], 0.0
     for event in trace["traceEvents"]:
         if event.get("ph") != "X":
             continue
@@ -885,23 +892,63 @@ def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
             runs.append((begin, begin + dur))
         elif name == "_c10d_functional::wait_tensor":
             wait_ms += dur
+        if name in schedule_sim.LAUNCHES or name == schedule_sim.WAIT:
+            calls.append((begin, begin + dur, name))
     return {
         "path": str(path),
         "step_ms": [t0, t1],
         "launches": sorted(launches),
         "runs": sorted(runs),
         "wait_ms": wait_ms,
+        "calls": calls,
+        "order": schedule_order(runner.model),
         "cpu_ms": cpu,
         "cpu_wall_ms": wall * 1e3,
     }
 
 
-def trace_summary(results: list[dict]) -> dict | None:
+def schedule_order(model) -> list[tuple]:
+    """The forward's then the backward's collectives in graph order, as
+    ``schedule_sim.program`` takes them: ``("launch", name, op, bytes)`` and ``("wait", of)``
+    (the same events the comm-only replay runs)."""
+    import fsdp_overlap_plugin as fo
+
+    report = fo.schedule_report(model)
+    order: list[tuple] = []
+    for kind in ("forward", "backward"):
+        for event in report[kind]["schedule"]["after"]:
+            if event["op"] in ("all_gather", "reduce_scatter", "all_to_all"):
+                order.append(("launch", event["name"], event["op"], event["bytes"]))
+            elif event["op"] == "wait" and event["of"]:
+                order.append(("wait", event["of"]))
+    return order
+
+
+def trace_summary(
+    results: list[dict], replay_s: float | None = None, compute_only_s: float | None = None
+) -> dict | None:
     """Both ranks' traced steps side by side: per collective (in launch order) each
-    rank's launch and completion, from the earlier rank's step start, and the skew."""
+    rank's launch and completion, from the earlier rank's step start, and the skew; with
+    the comm-only replay's median (``replay_s``), the traced step split by
+    ``schedule_sim.split_step`` into what the schedule leaves exposed and what the host and
+    the transport add."""
     traces = [res.get("trace") for res in results]
     if not all(traces):
         return None
+    split = None
+    if replay_s and all("calls" in t for t in traces):
+        try:
+            split = schedule_sim.split_step(
+                [t["calls"] for t in traces],
+                [tuple(t["step_ms"]) for t in traces],
+                [tuple(o) for o in traces[0]["order"]],
+                replay_s * 1e3,
+                len(traces),
+                compute_only_s * 1e3 if compute_only_s else None,
+                [t["cpu_ms"].get("main", 0.0) for t in traces] if all(t.get("cpu_ms") for t in traces) else None,
+            )
+        except ValueError as exc:
+            split = {"error": str(exc)}
     zero = min(t["step_ms"][0] for t in traces)
     rows = []
     for k, launch in enumerate(traces[0]["launches"]):
@@ -913,6 +960,7 @@ def trace_summary(results: list[dict]) -> dict | None:
     skews = sorted(abs(r["skew_ms"]) for r in rows)
     return {
         "rows": rows,
+        "split": split,
         "max_skew_ms": skews[-1] if skews else None,
         "median_skew_ms": statistics.median(skews) if skews else None,
         "ranks": [
@@ -938,6 +986,33 @@ def print_trace(trace: dict) -> None:
             f" {row['skew_ms']:>+7.1f} {done[0]:>9} {done[1]:>8}"
         )
     print(f"  launch skew: median {trace['median_skew_ms']:.1f} ms, largest {trace['max_skew_ms']:.1f} ms")
+    split = trace.get("split")
+    if split and "error" in split:
+        print(f"  schedule simulation: not run ({split['error']})")
+    elif split:
+        x = split["x_bound"]
+        compute = "/".join(f"{ms:.0f}" for ms in split["compute_ms"])
+        print(
+            f"  the traced step against its bound max(compute {compute} ms r0/r1, comm-only replay"
+            f" {split['replay_ms']:.0f} ms) = {split['bound_ms']:.0f} ms (benchmarks/schedule_sim.py):"
+        )
+        print(
+            f"    this schedule, ranks in step, ideal link    {split['in_step_ms']:>6.0f} ms"
+            f"  {x['in_step']:.2f}x  (what the schedule itself leaves exposed)"
+        )
+        print(
+            f"    each rank's own compute (skew), ideal link  {split['own_compute_ms']:>6.0f} ms"
+            f"  {x['own_compute']:.2f}x  (+ the ranks out of step)"
+        )
+        print(
+            f"    traced                                      {split['traced_ms']:>6.0f} ms"
+            f"  {x['traced']:.2f}x  (+ the real link and collectives)"
+        )
+        for label, scaled in split.get("scaled", {}).items():
+            print(
+                f"    ranks in step, ideal link, compute scaled to {label} ({scaled['compute_ms']:.0f} ms):"
+                f" {scaled['in_step_ms']:.0f} ms = {scaled['x_bound']:.2f}x max(that, replay)"
+            )
     for rank, info in enumerate(trace["ranks"]):
         cpu = ", ".join(f"{name} {ms:.0f}" for name, ms in sorted(info["cpu_ms"].items(), key=lambda x: -x[1]) if ms)
         print(
