@@ -1,11 +1,11 @@
-"""What one traced step's schedule would take on an ideal link: ``step_time.py --trace-dir``.
+"""What one traced step's schedule would take over a modelled link: ``step_time.py --trace-dir``.
 
 The comm-only replay (``step_time.py``) says how long the step's collectives take back to
 back; compute-only how long its compute takes. ``max`` of the two is the transport bound,
 but a real schedule cannot reach it where a collective must wait for compute (the first
 all-gather of a bucket nobody prefetched, the last reduce-scatter after the last
 gradient) or compute for a collective. This module splits the distance between a traced
-`both` step and that bound in two, from each rank's main thread in the profiler trace:
+`both` step and that bound, from each rank's main thread in the profiler trace:
 
 * **the schedule's own exposure**: both ranks run the traced compute (the time between
   one collective call and the next on the main thread, launches included, blocking in
@@ -17,9 +17,9 @@ gradient) or compute for a collective. This module splits the distance between a
   is through. What this ``simulate`` gives over ``max(compute, replay)`` is what the
   schedule leaves exposed on any host and link of these speeds.
 * **the host and the transport**: the same with each rank's own compute (the skew
-  between the ranks as traced), and the traced step itself. Traced minus simulated is
-  what the real link and collectives (gloo's send-first order, rendezvous) and the ranks
-  falling out of step cost on top.
+  between the ranks as traced); its distance from the in-step run is what the ranks
+  falling out of step cost. The traced step against the two shows what the real link
+  and collectives (gloo's send-first order, the rendezvous) do against the model's link.
 * **the compute's own slowdown**: on a CPU host gloo's threads and the kernel's
   networking run on the same cores as the compute, so the traced compute is longer than
   the compute-only step's. The in-step schedule with its compute scaled down to the
@@ -28,11 +28,10 @@ gradient) or compute for a collective. This module splits the distance between a
   to the main threads' CPU time instead, it keeps the step's own extra work (bucket
   copies, local sums, launching) and drops only the time spent waiting for a CPU.
 
-This is a model: the link carries one collective at a time at the replay's average rate,
-where the real link overlaps a collective's tail with the next one's start. Against the
-traced step it errs long (the in-step simulation was 1-8% above the traced step in the
-runs of ``benchmarks/RESULTS.md``), so what it says the schedule leaves exposed is an
-upper estimate.
+This is a model: its link carries one collective at a time at the replay's average
+rate. Against the traced step it errs long (the in-step model came out 1-8% above the
+traced step, the own-compute model 7-15%, in the runs of ``benchmarks/RESULTS.md``), so
+what it says the schedule leaves exposed is an upper estimate.
 """
 
 from __future__ import annotations

@@ -93,11 +93,11 @@ between them, each rank's time blocked in waits, and the CPU time of the step's 
 (the main thread, gloo's TCP loop and its worker threads). The link lines also give the
 share of each phase in which both directions moved data, for the `both` step and for the
 comm-only replay. With comm-only in the run, ``schedule_sim.py`` then replays the traced
-step's schedule (each rank's compute between collective calls, as traced) over an ideal
-link at the replay's rate, once with the ranks in step and once with each rank's own
-compute, and prints the three against the bound max(traced compute, replay): what the
-schedule itself leaves exposed, what the ranks falling out of step add, and what the
-real link and collectives add.
+step's schedule (each rank's compute between collective calls, as traced) over a
+modelled link (one collective at a time at the replay's rate), once with the ranks in
+step and once with each rank's own compute, and prints both and the traced step against
+the bound max(traced compute, replay), then the in-step model with its compute scaled to
+the compute-only step and to the main threads' CPU time (see schedule_sim.py).
 
     sudo python benchmarks/step_time.py                  # 300 Mbit, default model, all modes
     python benchmarks/step_time.py --quick               # < 3 minutes, fewer modes and steps
@@ -993,24 +993,24 @@ def print_trace(trace: dict) -> None:
         x = split["x_bound"]
         compute = "/".join(f"{ms:.0f}" for ms in split["compute_ms"])
         print(
-            f"  the traced step against its bound max(compute {compute} ms r0/r1, comm-only replay"
+            f"  the traced step against its bound max(mean of the traced compute {compute} ms r0/r1, comm-only replay"
             f" {split['replay_ms']:.0f} ms) = {split['bound_ms']:.0f} ms (benchmarks/schedule_sim.py):"
         )
         print(
-            f"    this schedule, ranks in step, ideal link    {split['in_step_ms']:>6.0f} ms"
+            f"    model, ranks in step                 {split['in_step_ms']:>6.0f} ms"
             f"  {x['in_step']:.2f}x  (what the schedule itself leaves exposed)"
         )
         print(
-            f"    each rank's own compute (skew), ideal link  {split['own_compute_ms']:>6.0f} ms"
-            f"  {x['own_compute']:.2f}x  (+ the ranks out of step)"
+            f"    model, each rank's own compute       {split['own_compute_ms']:>6.0f} ms"
+            f"  {x['own_compute']:.2f}x  (the ranks out of step as traced)"
         )
         print(
-            f"    traced                                      {split['traced_ms']:>6.0f} ms"
-            f"  {x['traced']:.2f}x  (+ the real link and collectives)"
+            f"    traced                               {split['traced_ms']:>6.0f} ms"
+            f"  {x['traced']:.2f}x  (the real link and collectives)"
         )
         for label, scaled in split.get("scaled", {}).items():
             print(
-                f"    ranks in step, ideal link, compute scaled to {label} ({scaled['compute_ms']:.0f} ms):"
+                f"    model, ranks in step, compute scaled to {label} ({scaled['compute_ms']:.0f} ms):"
                 f" {scaled['in_step_ms']:.0f} ms = {scaled['x_bound']:.2f}x max(that, replay)"
             )
     for rank, info in enumerate(trace["ranks"]):
