@@ -16,9 +16,12 @@ posts a receive from every peer, then a send to every peer, on the shard group (
 ``EXCHANGE_TAG``), copies its own chunk locally and returns one work that waits for all
 of them. The bytes moved, and so the results, are those of gloo's ``all_to_all_single``.
 
-Only all-to-alls: on torch 2.11 and 2.13 a Python process group cannot take the
-functional all-gather ("No backend type associated with device type cpu"), so parameter
-all-gathers stay on the shard group.
+Only all-to-alls. A Python process group does take the functional ``all_gather_into_tensor``
+(through its ``allgather_into_tensor_coalesced``, torch 2.11 to 2.15), but not the ``out=``
+variant that ``passes/merge.py`` uses to write each rank's shards straight into its slot of
+the gathered buffer ("No backend type associated with device type cpu" on every torch we
+support). On this group the all-gathers would need a separate input buffer, one shard of
+the bucket per gather in flight, so parameter all-gathers stay on the shard group.
 """
 
 from __future__ import annotations
