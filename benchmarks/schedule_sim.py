@@ -29,9 +29,10 @@ gradient) or compute for a collective. This module splits the distance between a
   copies, local sums, launching) and drops only the time spent waiting for a CPU.
 
 This is a model: its link carries one collective at a time at the replay's average
-rate. Against the traced step it errs long (the in-step model came out 1-8% above the
-traced step, the own-compute model 7-15%, in the runs of ``benchmarks/RESULTS.md``), so
-what it says the schedule leaves exposed is an upper estimate.
+rate. Given what the traced step had (each rank's own compute) it came out 4-15% longer
+than the traced step in every run of ``benchmarks/RESULTS.md``: the real link does better
+than the model's, so what the in-step runs say the schedule leaves exposed is an upper
+estimate.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ have drained. fsdp2-eager and the comm-only replay call gloo's collectives direc
 keep them; the sharded modes' own bound is then comm-only+recv-first.
 
 Where a step loses time against its bounds (``--trace-dir DIR``): after the timed steps each
-rank runs one more `both` step under torch.profiler and writes ``DIR/trace<rank>.json``
+rank runs one more `both` step (or ``--trace-mode``'s: a mode whose bound is comm-only, such
+as both+prefetch-2) under torch.profiler and writes ``DIR/trace<rank>.json``
 (chrome trace); the script prints every collective's launch on each rank and the skew
 between them, each rank's time blocked in waits, and the CPU time of the step's threads
 (the main thread, gloo's TCP loop and its worker threads). The link lines also give the
@@ -510,6 +511,12 @@ def main() -> None:
         "--trace-dir",
         help="profile one more `both` step per rank: chrome traces here, and per collective the ranks' launch skew",
     )
+    parser.add_argument(
+        "--trace-mode",
+        default="both",
+        choices=sorted(A2A_MODES),
+        help="with --trace-dir, the mode to trace instead of `both` (one whose bound is comm-only's replay)",
+    )
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -553,8 +560,12 @@ def main() -> None:
         "--rate",
         args.rate,
     ]
+    if args.trace_mode != "both" and not args.trace_dir:
+        parser.error("--trace-mode needs --trace-dir")
+    if args.trace_dir and args.trace_mode not in modes:
+        parser.error(f"--trace-mode {args.trace_mode}: list it in --modes")
     if args.trace_dir:
-        args.worker_args += ["--trace-dir", str(Path(args.trace_dir).resolve())]
+        args.worker_args += ["--trace-dir", str(Path(args.trace_dir).resolve()), "--trace-mode", args.trace_mode]
     if args.recv_first:
         args.worker_args.append("--recv-first")
     ok, why = Namespaces.available()
@@ -855,7 +866,8 @@ def thread_cpu_ms() -> dict[str, float]:
 
 
 def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
-    """``--trace-dir``: one `both` step's threads' CPU time, then one more step under
+    """``--trace-dir``: one step's threads' CPU time (of ``--trace-mode``, `both` by
+    default), then one more step under
     torch.profiler; its chrome trace goes to ``trace_dir`` and its collectives (launch on
     the main thread, run on gloo's worker threads) and waits come back, in epoch ms so
     that the ranks' clocks (one host) line up."""
@@ -959,6 +971,7 @@ def trace_summary(
         rows.append({"op": launch[1], "launch_ms": at, "done_ms": done, "skew_ms": at[1] - at[0]})
     skews = sorted(abs(r["skew_ms"]) for r in rows)
     return {
+        "mode": traces[0].get("mode", "both"),
         "rows": rows,
         "split": split,
         "max_skew_ms": skews[-1] if skews else None,
@@ -977,7 +990,10 @@ def trace_summary(
 
 
 def print_trace(trace: dict) -> None:
-    print("one traced `both` step (--trace-dir), ms from the earlier rank's start; skew = rank 1 - rank 0:")
+    print(
+        f"one traced `{trace.get('mode', 'both')}` step (--trace-dir), ms from the earlier rank's start;"
+        " skew = rank 1 - rank 0:"
+    )
     print(f"  {'#':>3} {'collective':<24} {'launch r0':>10} {'r1':>8} {'skew':>7} {'done r0':>9} {'r1':>8}")
     for k, row in enumerate(trace["rows"]):
         done = ["-" if d is None else f"{d:.1f}" for d in row["done_ms"]]
@@ -1091,8 +1107,9 @@ def worker(args: argparse.Namespace) -> None:
                     end = time.perf_counter() - sampler.t0
                 if rank == 0:
                     out["link_replay"] = link_phases(sampler.samples, [("replay", start), ("end", end)], rate_bps)
-        if args.trace_dir:
-            out["trace"] = trace_step(runners["both"], data[step_index["both"]], Path(args.trace_dir), rank)
+    if args.trace_dir:
+        mode = args.trace_mode
+        out["trace"] = trace_step(runners[mode], data[step_index[mode]], Path(args.trace_dir), rank) | {"mode": mode}
     out["process_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()

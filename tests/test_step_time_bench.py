@@ -151,6 +151,26 @@ def test_modes_that_need_others_say_which(modes, message):
     assert out.returncode == 2 and message in out.stderr
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--trace-mode", "both+prefetch-2"], "--trace-mode needs --trace-dir"),
+        (
+            ["--trace-dir", "tr", "--trace-mode", "both+fsdp2-order"],
+            "--trace-mode both+fsdp2-order: list it in --modes",
+        ),
+        (["--trace-dir", "tr", "--trace-mode", "both+native"], "invalid choice: 'both+native'"),
+    ],
+)
+def test_trace_mode_is_checked(extra, message):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--modes", "both,both+prefetch-2", *extra],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and message in out.stderr
+
+
 def _exchange_vs_gloo(rank: int, world: int) -> dict:
     """The plugin's receive-first exchange (which ``--recv-first`` and the recv-first
     replay use for all-gathers too) against gloo's own collectives, bitwise: directly, and
