@@ -27,7 +27,9 @@ __all__ = [
     "MeshConfig",
     "OverlapConfig",
     "OverlapConfigError",
+    "format_bytes",
     "parse_bytes",
+    "prefetch_words",
     "parse_dtype",
     "read_yaml",
     "respell",
@@ -39,6 +41,22 @@ MEMORY_ORDER_WORDS = {
     "fsdp2": "FSDP2's memory order: prefetch after the copy-out, one reduce-scatter in flight",
     "queued": "collectives queued back to back",
 }
+
+
+def format_bytes(n: int | float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; binary units, as memory is reported."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def prefetch_words(depth: int, budget: int | None, order: str) -> str:
+    """``depth 1, budget none; collectives queued back to back``: the prefetch settings
+    in the words of both the schedule report and ``fsdp-overlap check``."""
+    return f"depth {depth}, budget {'none' if budget is None else format_bytes(budget)}; {MEMORY_ORDER_WORDS[order]}"
 
 
 class OverlapConfigError(ValueError):

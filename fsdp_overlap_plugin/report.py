@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .config import MEMORY_ORDER_WORDS
+from .config import format_bytes, prefetch_words
 from .costmodel import predicted
 from .exchange import exchanges_run
 from .records import KINDS, SUMMARY_STATS, record_name, summarize_pass
@@ -288,13 +288,11 @@ def format_report(report: dict[str, Any]) -> str:
         budget = prefetch["max_bytes"]
         parts = [
             f"{k} depths {' '.join(map(str, prefetch[k]['depths'])) or '-'}, "
-            f"peak {prefetch[k]['peak_bytes'] / 2**20:.1f} MiB gathered ahead"
+            f"peak {format_bytes(prefetch[k]['peak_bytes'])} gathered ahead"
             for k in shown
         ]
         lines.append(
-            f"  prefetch (depth {prefetch['depth']}, budget "
-            f"{'none' if budget is None else f'{budget / 2**20:.1f} MiB'}, {MEMORY_ORDER_WORDS[prefetch['order']]}): "
-            + "; ".join(parts)
+            f"  prefetch ({prefetch_words(prefetch['depth'], budget, prefetch['order'])}): " + "; ".join(parts)
         )
     cache = report.get("compile_cache") or []
     if cache:

@@ -173,7 +173,7 @@ def test_traced_gpt_forward_depth_2(monkeypatch):
     assert report["prefetch"]["backward"]["depths"] == [1, 1, 2]
     assert [b.split(" [")[0] for b in report["reshard"]["kept_buckets"]] == ["bucket 5", "bucket 4"]
     assert "kept (bucket 5 ['norm', 'head']; bucket 4 ['blocks.3'], for prefetch_depth 2)" in text
-    assert "prefetch (depth 2, budget none, collectives queued back to back): forward depths 1 2 2 2 2 2" in text
+    assert "prefetch (depth 2, budget none; collectives queued back to back): forward depths 1 2 2 2 2 2" in text
     assert report["prefetch"]["order"] == "queued"
 
 

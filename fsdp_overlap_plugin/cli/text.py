@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..config import MEMORY_ORDER_WORDS, OverlapConfig, dtype_name
+from ..config import OverlapConfig, dtype_name, format_bytes, prefetch_words
 
 __all__ = [
     "auto_lines",
@@ -23,16 +23,6 @@ __all__ = [
     "tree_lines",
     "warning_lines",
 ]
-
-
-def format_bytes(n: int | float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units, as memory is reported."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_count(n: int) -> str:
@@ -190,9 +180,8 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
         budget = config.max_prefetch_bytes
         held = len(m["prefetch_peak_buckets"])
         out.append(
-            f"{'memory' if not out else '':<8}prefetch (depth {config.prefetch_depth}, budget "
-            f"{'none' if budget is None else format_bytes(budget)}; {MEMORY_ORDER_WORDS[config.memory_order]}) "
-            f"holds at most {held} "
+            f"{'memory' if not out else '':<8}prefetch ({prefetch_words(config.prefetch_depth, budget, config.memory_order)})"
+            f" holds at most {held} "
             f"bucket{'s' if held != 1 else ''} gathered at once: peak "
             f"{format_bytes(m['prefetch_peak_bytes'])} (buckets {window}), unsharded, in param_dtype"
         )
