@@ -874,6 +874,8 @@ def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
+    import fsdp_overlap_plugin as fo
+
     dist.barrier()
     before, start = thread_cpu_ms(), time.perf_counter()
     runner.step(batch)
@@ -893,7 +895,7 @@ def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
-    launches, runs, calls, wait_ms = [], [], [], 0.0
+    launches, runs, calls = [], [], []
     for event in trace["traceEvents"]:
         if event.get("ph") != "X":
             continue
@@ -902,30 +904,25 @@ def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
             launches.append((begin, name.removeprefix("c10d::").strip("_")))
         elif name.startswith("gloo:"):
             runs.append((begin, begin + dur))
-        elif name == "_c10d_functional::wait_tensor":
-            wait_ms += dur
-        if name in schedule_sim.LAUNCHES or name == schedule_sim.WAIT:
+        elif name in schedule_sim.LAUNCHES or name == schedule_sim.WAIT:
             calls.append((begin, begin + dur, name))
     return {
         "path": str(path),
         "step_ms": [t0, t1],
         "launches": sorted(launches),
         "runs": sorted(runs),
-        "wait_ms": wait_ms,
+        "wait_ms": sum(end - begin for begin, end, name in calls if name == schedule_sim.WAIT),
         "calls": calls,
-        "order": schedule_order(runner.model),
+        "order": schedule_order(fo.schedule_report(runner.model)),
         "cpu_ms": cpu,
         "cpu_wall_ms": wall * 1e3,
     }
 
 
-def schedule_order(model) -> list[tuple]:
-    """The forward's then the backward's collectives in graph order, as
-    ``schedule_sim.program`` takes them: ``("launch", name, op, bytes)`` and ``("wait", of)``
-    (the same events the comm-only replay runs)."""
-    import fsdp_overlap_plugin as fo
-
-    report = fo.schedule_report(model)
+def schedule_order(report: dict) -> list[tuple]:
+    """The forward's then the backward's collectives in graph order, from a
+    ``schedule_report``: ``("launch", name, op, bytes)`` and ``("wait", of)``, what the
+    comm-only replay runs and ``schedule_sim.program`` lines a trace up with."""
     order: list[tuple] = []
     for kind in ("forward", "backward"):
         for event in report[kind]["schedule"]["after"]:
@@ -1342,21 +1339,21 @@ class CommReplay:
 
         report = fo.schedule_report(both.model)
         self.plan: list[tuple] = []
-        for kind in ("forward", "backward"):
-            for event in report[kind]["schedule"]["after"]:
-                if event["op"] in ("all_gather", "reduce_scatter", "all_to_all"):
-                    numel = event["bytes"] // 4
-                    if recv_first and event["op"] == "reduce_scatter":
-                        raise SystemExit("comm-only+recv-first replays all-gathers and all-to-alls only")
-                    if event["op"] == "all_gather":
-                        bufs = (torch.randn(numel // world), torch.empty(numel))
-                    elif event["op"] == "reduce_scatter":
-                        bufs = (torch.randn(numel), torch.empty(numel // world))
-                    else:
-                        bufs = (torch.randn(numel), torch.empty(numel))
-                    self.plan.append(("launch", event["op"], event["name"], bufs))
-                elif event["op"] == "wait" and event["of"]:
-                    self.plan.append(("wait", None, event["of"], None))
+        for planned in schedule_order(report):
+            if planned[0] == "wait":
+                self.plan.append(("wait", None, planned[1], None))
+                continue
+            _, name, op, nbytes = planned
+            numel = nbytes // 4
+            if recv_first and op == "reduce_scatter":
+                raise SystemExit("comm-only+recv-first replays all-gathers and all-to-alls only")
+            if op == "all_gather":
+                bufs = (torch.randn(numel // world), torch.empty(numel))
+            elif op == "reduce_scatter":
+                bufs = (torch.randn(numel), torch.empty(numel // world))
+            else:
+                bufs = (torch.randn(numel), torch.empty(numel))
+            self.plan.append(("launch", op, name, bufs))
         self.peak_rss = 0.0
         self.recv_first = recv_first
         self.a2a_first = report["reduce_scatter"]["impl"] == "receive_first"

@@ -29,8 +29,8 @@ __all__ = [
     "OverlapConfigError",
     "format_bytes",
     "parse_bytes",
-    "prefetch_words",
     "parse_dtype",
+    "prefetch_words",
     "read_yaml",
     "respell",
 ]
