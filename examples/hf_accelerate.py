@@ -6,6 +6,7 @@ fsdp_overlap_* keys under fsdp_config); the script has one extra line.
     accelerate launch --config_file configs/overlap.yaml --num_processes 2 examples/hf_accelerate.py
     ... examples/hf_accelerate.py --config-json path/to/config.json   # any local transformers config.json
     ... examples/hf_accelerate.py --weights path/to/folder            # a folder written by save_pretrained
+    ... examples/hf_accelerate.py --export trained/                   # save the trained model (from_pretrained loads it)
 
 Nothing is downloaded: the default model is the tiny Llama of
 ``fsdp_overlap_plugin.models.TINY_LLAMA`` (``lm_head`` shares the embedding's weight),
@@ -45,6 +46,7 @@ parser.add_argument("--config-json", default=None, help="a local transformers co
 parser.add_argument("--weights", default=None, help="a local folder written by save_pretrained")
 parser.add_argument("--meta", action="store_true", help="build on the meta device (implied by --weights)")
 parser.add_argument("--steps", type=int, default=STEPS)
+parser.add_argument("--export", default=None, help="save the trained model here as a save_pretrained folder")
 parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
 args = parser.parse_args()
 
@@ -89,6 +91,15 @@ for step, (ids,) in enumerate(loader):
     losses[step] = accelerator.reduce(loss.detach(), "mean").item()
     note = " (includes compilation)" if step == 0 else ""
     accelerator.print(f"step {step}: loss {losses[step]:.6f}  {time.perf_counter() - start:.2f} s{note}")
+
+if args.export:
+    # Accelerate's recipe, unchanged: every rank calls get_state_dict (it gathers the shards;
+    # full CPU tensors on the main process), the main process writes the folder.
+    state_dict = accelerator.get_state_dict(model)
+    accelerator.unwrap_model(model).save_pretrained(
+        args.export, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+    )
+    accelerator.print(f"saved the trained model to {args.export}: from_pretrained({args.export!r}) loads it")
 
 if accelerator.is_main_process:
     report = fo.schedule_report(model)

@@ -8,6 +8,7 @@ schedule summary at the end.
     python examples/hf_lightning.py --config-json path/to/config.json      # any local transformers config.json
     python examples/hf_lightning.py --weights path/to/folder               # a folder written by save_pretrained
     python examples/hf_lightning.py --meta                                 # build on the meta device
+    python examples/hf_lightning.py --export trained/                      # save the trained model (from_pretrained loads it)
 
 Nothing is downloaded: the default model is the tiny Llama of
 ``fsdp_overlap_plugin.models.TINY_LLAMA`` (``lm_head`` shares the embedding's weight),
@@ -19,7 +20,9 @@ model too large for one host must be: on the meta device in ``configure_model`` 
 memory), sharded by the strategy and materialized on the shards, initialised as
 transformers initialises it (``_init_weights``, rotary ``inv_freq``); ``--weights`` then
 loads the checkpoint into the shards in ``on_fit_start`` (``fsdp_overlap_plugin.load_pretrained``:
-each rank reads only its rows of each tensor from the safetensors files).
+each rank reads only its rows of each tensor from the safetensors files). ``--export`` saves
+the trained model in ``on_train_end`` (``fsdp_overlap_plugin.save_pretrained``, on every rank:
+rank 0 writes the folder, tensor by tensor).
 """
 
 from __future__ import annotations
@@ -81,11 +84,18 @@ class CausalLMModule(LightningModule):
     ``save_pretrained`` folder): built in ``configure_model`` on the meta device."""
 
     def __init__(
-        self, config: Any = None, weights: str | None = None, lr: float = LR, seed: int = 0, meta: bool = False
+        self,
+        config: Any = None,
+        weights: str | None = None,
+        lr: float = LR,
+        seed: int = 0,
+        meta: bool = False,
+        export: str | None = None,
     ) -> None:
         super().__init__()
         self.lr = lr
         self.weights = weights
+        self.export = export
         if weights is not None and config is None:
             config = load_config(weights)  # the checkpoint's own config.json
         self.model_config = config
@@ -115,6 +125,8 @@ class CausalLMModule(LightningModule):
     def on_train_end(self) -> None:
         gathered = self.all_gather(torch.tensor(self.losses, dtype=torch.float64))
         self.all_losses = gathered.reshape(-1, len(self.losses)).tolist()
+        if self.export is not None:  # every rank gathers; rank 0 writes the save_pretrained folder
+            fo.save_pretrained(self.model, self.export)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
@@ -125,13 +137,14 @@ def main() -> None:
     parser.add_argument("--config-json", default=None, help="a local transformers config.json (default: TINY_LLAMA)")
     parser.add_argument("--weights", default=None, help="a local folder written by save_pretrained")
     parser.add_argument("--meta", action="store_true", help="build on the meta device (implied by --weights)")
+    parser.add_argument("--export", default=None, help="save the trained model here as a save_pretrained folder")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # two ranks share a small machine
     seed_everything(0)
-    module = CausalLMModule(args.config_json, args.weights, meta=args.meta)
+    module = CausalLMModule(args.config_json, args.weights, meta=args.meta, export=args.export)
     vocab = _config(module.model_config or TINY_LLAMA).vocab_size
     loader = DataLoader(TensorDataset(counting_sequences(SAMPLES, SEQ, vocab)), batch_size=BATCH_PER_RANK)
     # Lightning replaces the sampler by a shuffling DistributedSampler: each rank reads its part.
@@ -144,6 +157,8 @@ def main() -> None:
         print()
         print(f"{type(module.model).__name__}: losses {', '.join(f'{x:.4f}' for x in losses)}")
         print(fo.format_report(report))
+        if args.export:
+            print(f"saved the trained model to {args.export}: from_pretrained({args.export!r}) loads it")
         if args.metrics:
             data = {"losses": losses, "rank_losses": module.all_losses, "report": report}
             Path(args.metrics).write_text(json.dumps(data, default=str))

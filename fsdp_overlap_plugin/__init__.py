@@ -6,6 +6,7 @@ from __future__ import annotations
 from ._version import __version__, check_torch_version
 from .accelerators import init_process_group
 from .config import MeshConfig, OverlapConfig, OverlapConfigError
+from .export import full_state_dict, save_pretrained
 from .initialize import UninitializedWarning, materialize
 from .parallelize import parallelize
 from .plan import PlanWarning, auto_plan, resolve_plan
@@ -30,11 +31,13 @@ __all__ = [
     "__version__",
     "auto_plan",
     "format_report",
+    "full_state_dict",
     "gather_disabled",
     "init_process_group",
     "load_pretrained",
     "materialize",
     "parallelize",
     "resolve_plan",
+    "save_pretrained",
     "schedule_report",
 ]

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,14 @@ __all__ = [
     "disable_own_checkpointing",
     "initialize_weights",
     "is_transformers_model",
+    "library_class",
+    "library_classes",
     "load_config",
     "model_from_config",
+    "original_format",
     "prepare_for_compile",
+    "save_config",
+    "tied_copies",
 ]
 
 # What PreTrainedModel.loss_function falls back to for an unknown loss_type.
@@ -194,3 +201,91 @@ def disable_own_checkpointing(model: nn.Module) -> None:
 
 def _is_checkpointing_layer(module: nn.Module) -> bool:
     return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+
+
+# --------------------------------------------------------------------- weights out
+# What ``PreTrainedModel.save_pretrained`` does to a state dict before writing it, for
+# ``export.save_pretrained`` (which writes tensor by tensor and cannot call it).
+
+
+@contextlib.contextmanager
+def library_classes(model: nn.Module):
+    """Give the transformers models in ``model`` their library class back for a moment:
+    transformers looks weight conversions up by class name, and sharding renamed the class
+    (``FSDP<name>`` for FSDP2's ``fully_shard``, ``FSDPOverlap<name>`` for ours)."""
+    swapped = []
+    for module in model.modules():
+        if not is_transformers_model(module):
+            continue
+        original = library_class(module)
+        if original is not type(module):
+            swapped.append((module, type(module)))
+            module.__class__ = original
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
+def library_class(module: nn.Module) -> type:
+    """The class ``module`` had before sharding renamed it (its own class if it did not)."""
+    cls = type(module)
+    prefix = next((p for p in ("FSDPOverlap", "FSDP") if cls.__name__.startswith(p)), None)
+    if prefix is None:
+        return cls
+    return next((c for c in cls.__mro__ if c.__name__ == cls.__name__[len(prefix) :]), cls)
+
+
+def tied_copies(model: nn.Module, groups: list[list[str]]) -> set[str]:
+    """The state-dict names a transformers checkpoint leaves out: in each group of names
+    that hold one tensor (``groups``), those the model declares tied to another
+    (``_tied_weights_keys``: ``lm_head.weight`` of a tied Llama), as transformers'
+    ``save_pretrained`` drops them; at least one name of each group stays."""
+    patterns = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or {}
+        patterns += [f"{prefix}.{key}" if prefix else key for key in tied]
+    dropped: set[str] = set()
+    for names in groups:
+        tied = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
+        dropped.update(tied[: len(names) - 1] if len(tied) == len(names) else tied)
+    return dropped
+
+
+def original_format(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """The function turning tensors of ``model``'s state dict into the checkpoint format
+    its ``from_pretrained`` reads (transformers' reverse weight conversions: a Mixtral's
+    fused experts back to one tensor per expert, GPT-NeoX's ``lm_head`` to ``embed_out``),
+    or None where the model has none. It works on one state-dict entry at a time, or on
+    meta tensors to plan the names and shapes."""
+    if not is_transformers_model(model):
+        return None
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # pragma: no cover - a transformers without the v5 conversions
+        return None
+
+    def revert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with library_classes(model):
+            return revert_weight_conversion(model, dict(tensors))
+
+    return revert
+
+
+def save_config(model: nn.Module, directory: Path, dtype: torch.dtype) -> list[str]:
+    """Write ``config.json`` (the library class in ``architectures``, ``dtype`` the saved
+    weights') and, for a model that generates, ``generation_config.json``, as
+    ``save_pretrained`` does. Returns the file names written."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.architectures = [library_class(model).__name__]
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(directory)
+    written = ["config.json"]
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(directory)
+        written.append("generation_config.json")
+    return written

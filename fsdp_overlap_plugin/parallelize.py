@@ -12,6 +12,7 @@ from . import accelerators, hf
 from .activation_checkpointing import apply_activation_checkpointing
 from .config import OverlapConfig, OverlapConfigError
 from .exchange import build_receive_first_group, exchanges_run
+from .export import install_save_pretrained
 from .passes.plan_index import BucketIndex
 from .preflight import preflight
 from .sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
@@ -123,6 +124,9 @@ def parallelize(
         compile_model(model, state)
     else:
         fully_shard_plan(model, mesh, plan, config, notes=state.adjustments)
+    # transformers' own save_pretrained would gather each sharded tensor on the writing
+    # rank alone (a hang); this one is collective and streams (export.py)
+    install_save_pretrained(model)
     setattr(model, _STATE_ATTR, state)
     return model
 

@@ -113,8 +113,9 @@ class RankAgreement:
     def _key(self, name: str, leaf: str) -> str:
         return f"{self.prefix}/{name}/{leaf}"
 
-    def _finish(self, name: str, what: str) -> tuple[int, list[str]]:
-        """Count this rank as done, wait for all, return (bad ranks, their messages)."""
+    def _finish(self, name: str, what: str, why: str | None = None) -> tuple[int, list[str]]:
+        """Count this rank as done, wait for all, return (bad ranks, their messages).
+        ``why``: what the timeout error says after the count (default: about compiling)."""
         self.store.add(self._key(name, "done"), 1)
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -124,8 +125,11 @@ class RankAgreement:
             if time.monotonic() > deadline:
                 raise RankTimeoutError(
                     f"fsdp-overlap: only {done} of {self.world} ranks reached the {what} within "
-                    f"{self.timeout_s:.0f} s (rank_check_timeout). The others are still compiling, took a "
-                    "different code path, or failed: check their logs."
+                    f"{self.timeout_s:.0f} s (rank_check_timeout). "
+                    + (
+                        why
+                        or "The others are still compiling, took a different code path, or failed: check their logs."
+                    )
                 )
             time.sleep(_POLL_SECONDS)
         bad = self.store.add(self._key(name, "nbad"), 0)
@@ -159,6 +163,26 @@ class RankAgreement:
             return None
         more = f" ({bad} ranks differ in all)" if bad > 1 else ""
         return messages[0] + more if messages else f"{bad} ranks differ from rank 0"
+
+    def all_arrived(self, name: str, what: str, why: str) -> None:
+        """Return once every rank has called this with ``name``; a rank that has not
+        within the timeout makes it raise ``RankTimeoutError`` saying ``why``."""
+        self._finish(name, what, why)
+
+    def rank0_outcome(self, name: str, error: str | None, timeout_s: float) -> str | None:
+        """Rank 0 posts ``error`` (None: it succeeded); every other rank waits up to
+        ``timeout_s`` for it and returns it. For work only rank 0 finishes (writing files)."""
+        key = self._key(name, "rank0")
+        if self.rank == 0:
+            self.store.set(key, "" if error is None else error)
+            return error
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except Exception as exc:  # DistStoreError on timeout
+            raise RankTimeoutError(
+                f"fsdp-overlap: rank 0 did not report its outcome within {timeout_s:.0f} s: {exc}"
+            ) from None
+        return self.store.get(key).decode() or None
 
     def all_succeeded(self, name: str, error: str | None) -> list[str]:
         """Every rank reports whether it succeeded; returns the failures' messages."""

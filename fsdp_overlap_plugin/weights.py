@@ -21,7 +21,6 @@ from whichever of its names the checkpoint holds (``lm_head.weight`` is not save
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -155,7 +154,7 @@ def _renamer(model: nn.Module, targets: dict[str, torch.Tensor]):
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:  # pragma: no cover - a transformers without the v5 loading API
         return lambda key: (key, None)
-    with _library_classes(model):
+    with hf.library_classes(model):
         transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -168,28 +167,6 @@ def _renamer(model: nn.Module, targets: dict[str, torch.Tensor]):
         return name, converter
 
     return rename
-
-
-@contextlib.contextmanager
-def _library_classes(model: nn.Module):
-    """Give the transformers models in ``model`` their library class back for a moment:
-    transformers looks renamings up by class name first, and sharding renamed the class
-    (``FSDP<name>`` for FSDP2's ``fully_shard``, ``FSDPOverlap<name>`` for ours)."""
-    swapped = []
-    for module in model.modules():
-        cls = type(module)
-        if not hf.is_transformers_model(module):
-            continue
-        prefix = next((p for p in ("FSDPOverlap", "FSDP") if cls.__name__.startswith(p)), None)
-        original = prefix and next((c for c in cls.__mro__ if c.__name__ == cls.__name__[len(prefix) :]), None)
-        if original is not None:
-            swapped.append((module, cls))
-            module.__class__ = original
-    try:
-        yield
-    finally:
-        for module, cls in swapped:
-            module.__class__ = cls
 
 
 def _copy_rows(source, key: str, name: str, tensor: torch.Tensor) -> None:

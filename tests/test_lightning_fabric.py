@@ -82,7 +82,7 @@ def _train_and_resume(rank: int, world: int, root: str) -> dict:
     out["resumed"] = resumed
 
     # Full state dict: one file from rank 0, loaded by every rank into a fresh model.
-    fabric = _fabric(save_distributed_checkpoint=False)
+    fabric = _fabric(state_dict_type="full")  # Lightning FSDP's spelling of save_distributed_checkpoint=False
     model = fabric.setup_module(_model(1))
     fabric.load(f"{root}/sharded", {"model": model})  # sharded -> this model
     fabric.save(f"{root}/full.ckpt", {"model": model})

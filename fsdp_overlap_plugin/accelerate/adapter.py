@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from .. import accelerators
 from ..config import OverlapConfig, OverlapConfigError
+from ..export import full_state_dict
 from ..initialize import materialize
 from ..parallelize import parallelize
 from ..preflight import preflight
@@ -47,6 +48,7 @@ log = logging.getLogger("fsdp_overlap_plugin.accelerate")
 
 _SOURCE_ATTR = "_fsdp_overlap_config_source"
 _MODELS_ATTR = "_fsdp_overlap_models"
+_EXPORTED_ATTR = "_fsdp_overlap_exported_models"
 
 
 # --------------------------------------------------------------------- CPU launches
@@ -161,6 +163,7 @@ def prepare(
     setattr(model, _SOURCE_ATTR, source)
     prepared = _prepare_with_accelerate(accelerator, model, objects)
     _install_checkpointing(accelerator, model, prepared)
+    _install_get_state_dict(accelerator, model)
     if accelerator.is_main_process:
         if source.path is None and config is None:
             log.warning("fsdp-overlap: %s: using the defaults and Accelerate's settings.", source)
@@ -263,18 +266,11 @@ def _full_options():
 def _full_model_state(model: nn.Module) -> dict:
     """The gathered state dict on rank 0 (empty elsewhere); tied weights as separate
     tensors, because safetensors refuses shared storage."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    state = get_model_state_dict(model, options=_full_options())
     seen: set[int] = set()
     out = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            ptr = value.untyped_storage().data_ptr() if value.numel() else -1
-            if ptr in seen:
-                value = value.clone()
-            seen.add(ptr)
-        out[key] = value
+    for key, value in full_state_dict(model).items():
+        out[key] = value.clone() if id(value) in seen else value
+        seen.add(id(value))
     return out
 
 
@@ -297,6 +293,28 @@ def _load_full_model_state(model: nn.Module, path: Path) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
     # Every rank read the whole file, so each can take its own shard: no broadcast.
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _install_get_state_dict(accelerator: Any, model: nn.Module) -> None:
+    """``accelerator.get_state_dict(model)`` (and so ``accelerator.save_model``) of a model
+    prepared here: full CPU tensors on the main process and ``{}`` elsewhere, as
+    Accelerate's FSDP2 path returns (``export.full_state_dict``; tied names hold one
+    tensor), on every device. Accelerate's own code would return the sharded DTensors on
+    a CPU launch, which transformers' ``save_pretrained`` cannot write (an error on uneven
+    shards, a hang on even ones), and on GPUs gather each parameter once more per name
+    lookup. Other models keep Accelerate's method."""
+    ours: list = accelerator.__dict__.setdefault(_EXPORTED_ATTR, [])
+    if not ours:
+        library = accelerator.get_state_dict
+
+        def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict:
+            if any(model is m for m in ours):
+                return full_state_dict(model)
+            return library(model, unwrap=unwrap)
+
+        get_state_dict.__doc__ = library.__doc__
+        accelerator.get_state_dict = get_state_dict
+    ours.append(model)
 
 
 def _install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) -> None:

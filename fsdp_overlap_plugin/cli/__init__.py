@@ -5,6 +5,7 @@ what the passes did, all before (or after) a job runs and without a GPU.
     fsdp-overlap check CONFIG [--model MODEL] [--model-arg KEY=VALUE ...] [--world N] [--strict] [--json]
     fsdp-overlap explain REPORT.json [--graph forward|backward] [--sequence] [--png OUT.png] [--json]
     fsdp-overlap timeline REPORT.json [--out timeline.png] [--link 300mbit] [--json]
+    fsdp-overlap export CHECKPOINT OUT [--model MODEL] [--dtype bf16] [--max-shard-size 5GB] [--prefix P] [--json]
     fsdp-overlap launch --config CONFIG [--model MODEL] [accelerate launch arguments] SCRIPT [ARGS]
 
 ``MODEL`` is ``package.module:factory`` (or ``path/to/file.py:factory``), a callable that
@@ -24,7 +25,8 @@ gives the verdict the run would give.
 The package, one module per job: ``main`` (the command line), ``commands`` (``inspect``,
 ``check``), ``configs`` (reading a config the runtime's way), ``models`` (``MODEL`` specs),
 ``analysis`` (plan, bytes, memory, one function per warning), ``text`` (formatting),
-``explain`` (``explain``, ``timeline``), ``launch`` (``accelerate launch`` after a check).
+``explain`` (``explain``, ``timeline``), ``export`` (a checkpoint into a ``save_pretrained``
+folder, offline), ``launch`` (``accelerate launch`` after a check).
 
 Exit codes: 0 fine (warnings are printed), 1 ``--strict`` and a warning, or nothing to
 explain / draw, 2 a bad config, model spec or report (the message names the key or module).

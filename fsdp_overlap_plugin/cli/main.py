@@ -15,6 +15,8 @@ from .analysis import SMALL_BUCKET_BYTES
 from .commands import cmd_check, cmd_inspect
 from .errors import CliError
 from .explain import GRAPHS, cmd_explain, cmd_timeline, rate_arg
+from .export import add_parser as add_export_parser
+from .export import cmd_export
 from .text import format_bytes
 
 __all__ = ["build_parser", "main"]
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(launch: 2 before any worker starts, else accelerate launch's own exit code).",
     )
     parser.add_argument("--version", action="version", version=f"fsdp-overlap {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,check,explain,timeline,launch}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,check,explain,timeline,export,launch}")
 
     p = sub.add_parser("inspect", help="module tree with bytes per bucket candidate, and the auto plan")
     p.add_argument(
@@ -98,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link", type=rate_arg, default=None, help="link rate per rank: 300mbit, 1gbit, 25gb (bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
+    add_export_parser(sub)
+
     # `launch` parses its own arguments (everything it does not know goes to accelerate
     # launch unchanged, the training script's arguments included): listed here for --help.
     sub.add_parser(
@@ -113,6 +117,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], l
     "check": cmd_check,
     "explain": cmd_explain,
     "timeline": cmd_timeline,
+    "export": cmd_export,
 }
 
 

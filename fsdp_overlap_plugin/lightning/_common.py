@@ -31,6 +31,7 @@ __all__ = [
     "StrategyBase",
     "build_config",
     "config_for_precision",
+    "distributed_checkpoint",
     "log_once",
     "no_gathers",
     "on_meta",
@@ -88,6 +89,30 @@ def build_config(config: OverlapConfig | dict | str | None, overrides: dict[str,
     except OverlapConfigError as exc:
         raise OverlapConfigError(f"config: {exc}") from None  # the strategy's `config` argument
     return OverlapConfig.coerce(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+def distributed_checkpoint(save_distributed_checkpoint: bool | None, state_dict_type: str | None) -> bool:
+    """Whether checkpoints are sharded, from ``ModelParallelStrategy``'s
+    ``save_distributed_checkpoint`` or the ``state_dict_type`` of Lightning's FSDP
+    strategies (``"full"``: one file with the gathered state on rank 0; ``"sharded"``: a
+    distributed-checkpoint directory, the default). Both given must agree."""
+    if state_dict_type is not None and state_dict_type not in STATE_DICT_TYPES:
+        raise OverlapConfigError(
+            f"state_dict_type: {state_dict_type!r} is not one of {', '.join(STATE_DICT_TYPES)}."
+            f"{suggest(str(state_dict_type), STATE_DICT_TYPES)}"
+        )
+    if state_dict_type is None:
+        return True if save_distributed_checkpoint is None else bool(save_distributed_checkpoint)
+    sharded = state_dict_type == "sharded"
+    if save_distributed_checkpoint is not None and bool(save_distributed_checkpoint) != sharded:
+        raise OverlapConfigError(
+            f"state_dict_type={state_dict_type!r} contradicts save_distributed_checkpoint="
+            f"{save_distributed_checkpoint!r}: they say the same thing, pass one of them."
+        )
+    return sharded
 
 
 def config_for_precision(config: OverlapConfig, precision: str) -> OverlapConfig:

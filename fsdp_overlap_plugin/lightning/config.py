@@ -204,7 +204,7 @@ def read_lightning_yaml(data: dict, source: str) -> LightningYaml:
                 _parameters(cls.__init__),
                 init_where,
                 source,
-                " (fsdp-overlap's keys are docs/config.md's, plus module, save_distributed_checkpoint, "
+                " (fsdp-overlap's keys are docs/config.md's, plus module, save_distributed_checkpoint, state_dict_type, "
                 "process_group_backend and timeout.)",
             )
     _check_keys(trainer, _parameters(_trainer_init()), f"{prefix}trainer", source)

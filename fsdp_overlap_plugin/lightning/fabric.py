@@ -9,7 +9,8 @@ backward            after the first one: the schedule report to the console and 
                     ``strategy.schedule_report`` / ``strategy.schedule_metrics``
 no_backward_sync    a no-op (the reduce-scatter is in the compiled backward graph;
                     sharded gradients still accumulate, results are unchanged)
-checkpoints         sharded by default, full with ``save_distributed_checkpoint=False``
+checkpoints         sharded by default, full with ``state_dict_type="full"``
+                    (``save_distributed_checkpoint=False``)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ._common import (
     StrategyBase,
     build_config,
     config_for_precision,
+    distributed_checkpoint,
     log_once,
     no_gathers,
     parallelize_once,
@@ -73,7 +75,8 @@ class FabricStrategyMixin(StrategyBase):
         self,
         config: OverlapConfig | dict | str | None = None,
         *,
-        save_distributed_checkpoint: bool = True,
+        save_distributed_checkpoint: bool | None = None,
+        state_dict_type: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         bucket_plans: str | list | None = None,
@@ -110,7 +113,7 @@ class FabricStrategyMixin(StrategyBase):
             parallelize_fn=self._parallelize,
             data_parallel_size="auto",
             tensor_parallel_size=1,
-            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_distributed_checkpoint=distributed_checkpoint(save_distributed_checkpoint, state_dict_type),
             process_group_backend=process_group_backend,
             timeout=timeout,
         )

@@ -13,8 +13,8 @@ Lifecycle (each hook does one thing and calls the core):
     optimizer_step      after the first one: the schedule report, to the console and as
                         ``self.log`` metrics (``fsdp_overlap/...``)
     checkpoints         sharded (DCP directory) by default, one full file with
-                        ``save_distributed_checkpoint=False``; parameters are read as
-                        shards, never gathered one by one
+                        ``state_dict_type="full"`` (``save_distributed_checkpoint=False``);
+                        parameters are read as shards, never gathered one by one
 
 The class is written as a mixin so that the same code serves ``lightning.pytorch`` and
 the standalone ``pytorch_lightning`` package (``standalone.py``).
@@ -41,6 +41,7 @@ from ._common import (
     StrategyBase,
     build_config,
     config_for_precision,
+    distributed_checkpoint,
     log_once,
     no_gathers,
     parallelize_once,
@@ -66,6 +67,10 @@ class TrainerStrategyMixin(StrategyBase):
         save_distributed_checkpoint: True (default) writes a sharded distributed
             checkpoint (a directory, one file per rank); False gathers one full file on
             rank 0.
+        state_dict_type: the same choice in the words of Lightning's FSDP strategies:
+            ``"sharded"`` (default) or ``"full"``. The model's weights as a
+            ``save_pretrained`` folder: ``fsdp_overlap_plugin.save_pretrained(self.model,
+            out)`` on every rank, or ``fsdp-overlap export CHECKPOINT OUT`` afterwards.
         process_group_backend: overrides the backend (default: nccl / hccl / gloo for
             cuda / npu / cpu).
         timeout: process-group timeout.
@@ -91,7 +96,8 @@ class TrainerStrategyMixin(StrategyBase):
         config: OverlapConfig | dict | str | None = None,
         *,
         module: str = "auto",
-        save_distributed_checkpoint: bool = True,
+        save_distributed_checkpoint: bool | None = None,
+        state_dict_type: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         bucket_plans: str | list | None = None,
@@ -127,7 +133,7 @@ class TrainerStrategyMixin(StrategyBase):
         super().__init__(  # type: ignore[call-arg]
             data_parallel_size="auto",
             tensor_parallel_size=1,
-            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_distributed_checkpoint=distributed_checkpoint(save_distributed_checkpoint, state_dict_type),
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
