@@ -316,8 +316,9 @@ class OverlapConfig:
     collectives that never match, and hang."""
 
     rank_check_timeout: float = 300.0
-    """Seconds a rank waits for the others at a rank check or compile agreement before it
-    stops with an error naming the ranks that did not arrive (so the check cannot hang)."""
+    """Seconds a rank waits for the others at a rank check or compile agreement, or at an
+    export (``save_pretrained``, ``accelerator.get_state_dict``: every rank must call them),
+    before it stops with an error naming the ranks that did not arrive (so none can hang)."""
 
     on_compile_error: str = "raise"
     """What a compile failure does: "raise" stops every rank with the error (a rank that

@@ -316,6 +316,23 @@ def test_export_streams_so_its_memory_stays_near_one_tensor(tmp_path):
     assert len(tensors) == 48 and all(torch.all(tensors[f"layers.{i}.weight"] == i) for i in range(48))
 
 
+def test_the_memory_benchmark_runs_and_checks_what_it_exported(tmp_path):
+    """benchmarks/export_memory.py on a small checkpoint (1 layer): it measures the child's
+    own peak and checks every exported tensor against the checkpoint."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "export_memory.py"), "--layers", "1", "--vocab", "512"]
+        + ["--dir", str(tmp_path / "bench"), "--json", str(tmp_path / "result.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["checked_tensors"] == result["tensors"] == 12  # embed, 9 per layer, norm, head
+    assert 100e6 < result["export_peak_rss_bytes"] < 2e9  # an interpreter with torch, not a stale number
+
+
 # ---------------------------------------------------------- Lightning's spelling
 def test_state_dict_type_is_lightnings_spelling_of_save_distributed_checkpoint():
     from fsdp_overlap_plugin.lightning._common import distributed_checkpoint

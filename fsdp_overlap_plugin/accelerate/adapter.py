@@ -9,12 +9,17 @@ core (``parallelize``: plan -> shard -> compile with the passes), is marked as p
 registers it as it is. Optimizers, data loaders and schedulers go through Accelerate's
 usual ``prepare_*`` methods, in the order ``accelerator.prepare`` uses.
 
+Export: ``accelerator.get_state_dict(model)`` of a model prepared here is the plugin's
+``export.full_state_dict`` (full CPU tensors on the main process, ``{}`` elsewhere, as
+Accelerate's FSDP2 path returns), so Accelerate's recipes (``save_pretrained(state_dict=
+...)``, ``save_model``) work on every distributed type.
+
 Checkpoints: under ``distributed_type: FSDP`` (GPUs, NPUs) ``save_state`` /
 ``load_state`` use Accelerate's FSDP2 code, which reads and writes DTensor models and
 optimizers through ``torch.distributed.checkpoint``. Elsewhere (a CPU launch, a DDP
-config) Accelerate writes ``model.state_dict()`` and ``optimizer.state_dict()`` from
-rank 0 only, which for sharded tensors would be rank 0's shards: there a save hook
-writes the full (gathered) model state in Accelerate's file, a load hook reads it back
+config) Accelerate writes ``get_state_dict(model)`` and ``optimizer.state_dict()`` from
+rank 0 only: there a save hook gives the tied names of the full model state (the
+plugin's ``get_state_dict``) tensors of their own for safetensors, a load hook reads it back
 and re-shards it, and the optimizer's ``state_dict`` / ``load_state_dict`` return and
 accept the full, FQN-keyed state (``torch.distributed.checkpoint.state_dict``), so the
 files do not depend on the rank or the world size.
@@ -22,6 +27,7 @@ files do not depend on the rank or the world size.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -38,7 +44,7 @@ from ..export import full_state_dict
 from ..initialize import materialize
 from ..parallelize import parallelize
 from ..preflight import preflight
-from ..sharding import build_mesh, is_sharded
+from ..sharding import build_mesh, gather_disabled, is_sharded
 from ..state import get_state
 from .config import ConfigSource, Resolved, load_config
 
@@ -263,12 +269,12 @@ def _full_options():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def _full_model_state(model: nn.Module) -> dict:
-    """The gathered state dict on rank 0 (empty elsewhere); tied weights as separate
-    tensors, because safetensors refuses shared storage."""
+def _separate_tied(state: dict) -> dict:
+    """``state`` with the names of a tied weight holding separate tensors, because
+    safetensors refuses shared storage."""
     seen: set[int] = set()
     out = {}
-    for key, value in full_state_dict(model).items():
+    for key, value in state.items():
         out[key] = value.clone() if id(value) in seen else value
         seen.add(id(value))
     return out
@@ -317,12 +323,33 @@ def _install_get_state_dict(accelerator: Any, model: nn.Module) -> None:
     ours.append(model)
 
 
+def _reading_shards(accelerator: Any, *names: str) -> None:
+    """Run the accelerator's methods ``names`` with the parameters' gathers off (once)."""
+    for name in names:
+        method = getattr(accelerator, name)
+        if getattr(method, "_reads_shards", False):
+            continue
+
+        @functools.wraps(method)
+        def wrapped(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            with gather_disabled():
+                return _method(*args, **kwargs)
+
+        wrapped._reads_shards = True  # type: ignore[attr-defined]
+        setattr(accelerator, name, wrapped)
+
+
 def _install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) -> None:
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.utils import DistributedType
 
     from .._torch_compat import patch_optimizer_state_dict
 
+    # Both paths below go through torch's state-dict helpers (Accelerate's FSDP2 save/load,
+    # the optimizer's full-state methods), which look each parameter up with getattr: on a
+    # model sharded here that is the gathering property, a full all-gather per lookup (one
+    # save_state of a 2-layer GPT: 57 on a CPU launch, 115 under FSDP2). They read the shards.
+    _reading_shards(accelerator, "save_state", "load_state")
     if accelerator.distributed_type == DistributedType.FSDP:
         return  # Accelerate's FSDP2 save/load (torch.distributed.checkpoint) handles DTensor models
     ours: list = accelerator.__dict__.setdefault(_MODELS_ATTR, [])
@@ -331,7 +358,9 @@ def _install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) -
         def save_hook(models: list, weights: list, output_dir: str) -> None:
             for i, m in enumerate(models):
                 if any(m is o for o in ours):
-                    weights[i] = _full_model_state(m)
+                    # save_state took weights[i] from accelerator.get_state_dict, which for
+                    # these models is export.full_state_dict: full on the main process
+                    weights[i] = _separate_tied(weights[i])
 
         def load_hook(models: list, input_dir: str) -> None:
             for i, m in enumerate(models):
