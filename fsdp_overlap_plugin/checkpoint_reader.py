@@ -23,7 +23,6 @@ in a ``checkpoint.save`` folder, ``state_dict.model.lm_head.weight`` in Lightnin
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from collections.abc import Iterable
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from .config import OverlapConfigError
+from .weights import index_files
 
 __all__ = ["CheckpointReader", "model_names", "open_checkpoint"]
 
@@ -169,14 +169,7 @@ def _flatten(data: Any, prefix: str = "") -> Iterable[tuple[str, torch.Tensor]]:
 
 def _safetensors_files(path: Path) -> dict[Path, list[str] | None]:
     if path.name.endswith(".json"):
-        index = json.loads(path.read_text())
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise OverlapConfigError(f"{path}: not a safetensors index (no 'weight_map')")
-        files: dict[Path, list[str]] = {}
-        for key, name in weight_map.items():
-            files.setdefault(path.parent / name, []).append(key)
-        return dict(files)
+        return dict(index_files(path, "export"))
     return {path: None}
 
 

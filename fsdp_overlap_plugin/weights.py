@@ -105,6 +105,19 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:_MAX_NAMES]) + more
 
 
+def index_files(path: Path, what: str) -> dict[Path, list[str]]:
+    """``{file: its keys}`` from the ``weight_map`` of a safetensors index (``path``); an
+    ``OverlapConfigError`` (a ``ValueError``) starting with ``what`` when it has none."""
+    index = json.loads(path.read_text())
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise OverlapConfigError(f"{what}: {path}: not a safetensors index (no 'weight_map')")
+    files: dict[Path, list[str]] = {}
+    for key, name in weight_map.items():
+        files.setdefault(path.parent / name, []).append(key)
+    return files
+
+
 def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
     """``{file: its keys (None: all)}``, from an index's ``weight_map`` or a single file."""
     if path.is_dir():
@@ -121,14 +134,7 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
     if not path.is_file():
         raise FileNotFoundError(f"load_pretrained: no checkpoint at {str(path)!r}")
     if path.name.endswith(".json"):
-        index = json.loads(path.read_text())
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"load_pretrained: {path}: not a safetensors index (no 'weight_map')")
-        files: dict[Path, list[str]] = {}
-        for key, name in weight_map.items():
-            files.setdefault(path.parent / name, []).append(key)
-        return dict(files)
+        return index_files(path, "load_pretrained")
     if not path.name.endswith(".safetensors"):
         raise ValueError(f"load_pretrained: {path}: expected a .safetensors file or its index .json")
     return {path: None}
