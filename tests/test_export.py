@@ -52,6 +52,49 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
+# In a fresh interpreter that imports transformers and never the plugin: each folder loaded
+# with plain from_pretrained, its logits on the reference's probe and its weights compared
+# with the trained model's (reference.pt: probe, logits, full params).
+_LOAD_PLAIN = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+out = {}
+for name, (folder, reference) in json.loads(sys.argv[1]).items():
+    ref = torch.load(reference)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        logits = model(input_ids=ref["probe"]).logits
+    state = model.state_dict()
+    out[name] = {
+        "logits": (logits.float() - ref["logits"].float()).abs().max().item(),
+        "same_weights": all(torch.equal(state[k], v) for k, v in ref["params"].items()),
+        "dtypes": sorted({str(v.dtype) for v in state.values()}),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
+out["plugin imported"] = "fsdp_overlap_plugin" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def load_without_plugin(folders: dict[str, tuple[Path, Path]], cwd: Path) -> dict:
+    """``{name: (save_pretrained folder, reference.pt)}`` -> what ``_LOAD_PLAIN`` found, per
+    name, plus ``"plugin imported"``; run with the repository off ``PYTHONPATH``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    arg = json.dumps({name: [str(f), str(r)] for name, (f, r) in folders.items()})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_LOAD_PLAIN), arg],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def weight_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("model"))
 

@@ -19,13 +19,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
-from _accelerate import ROOT, accelerate_launch, copy_yaml, launch_env, output
-from test_export import assert_same_tensors, folder_tensors
+from _accelerate import ROOT, accelerate_launch, copy_yaml, output
+from test_export import assert_same_tensors, folder_tensors, load_without_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -33,32 +31,6 @@ FIXTURE = ROOT / "tests" / "fixtures" / "export_accelerate.py"
 MODELS = ["llama:97:fp32", "llama:96:fp32", "qwen2:97:fp32", "llama:97:bf16"]
 RECIPES = ["get_state_dict", "save_model", "save_pretrained", "plugin"]
 TIED = {"llama": True, "qwen2": False}
-
-# In a fresh interpreter that imports transformers, never the plugin: every folder loads with
-# plain from_pretrained; its logits and weights against the run's reference.
-_LOAD = """
-import json, sys
-import torch
-from transformers import AutoModelForCausalLM
-root, specs, recipes = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
-out = {}
-for spec in specs:
-    folder = f"{root}/{spec.replace(':', '_')}"
-    ref = torch.load(f"{folder}/reference.pt")
-    for recipe in recipes:
-        model = AutoModelForCausalLM.from_pretrained(f"{folder}/{recipe}")
-        with torch.no_grad():
-            logits = model(input_ids=ref["probe"]).logits
-        state = model.state_dict()
-        out[f"{spec}/{recipe}"] = {
-            "logits": (logits.float() - ref["logits"].float()).abs().max().item(),
-            "same_weights": all(torch.equal(state[k], v) for k, v in ref["params"].items()),
-            "dtypes": sorted({str(v.dtype) for v in state.values()}),
-            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-        }
-out["plugin imported"] = "fsdp_overlap_plugin" in sys.modules
-print(json.dumps(out))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +41,15 @@ def run(tmp_path_factory) -> dict:
     proc = accelerate_launch(yaml_path, str(root / "out"), *MODELS, script=FIXTURE)
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, output(proc)[-6000:]
-    env = {k: v for k, v in launch_env().items() if k != "PYTHONPATH"}  # the plugin is not importable there
-    loaded = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_LOAD), str(root / "out"), ",".join(MODELS), ",".join(RECIPES)],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=env,
-        check=False,
-        timeout=600,
-    )
-    assert loaded.returncode == 0, loaded.stderr[-4000:]
+    out = root / "out"
+    folders = {
+        f"{spec}/{recipe}": (out / spec.replace(":", "_") / recipe, out / spec.replace(":", "_") / "reference.pt")
+        for spec in MODELS
+        for recipe in RECIPES
+    }
+    loaded = load_without_plugin(folders, root)
     print(f"accelerate export run: {seconds:.0f} s")
-    return {"root": root / "out", "loaded": json.loads(loaded.stdout.splitlines()[-1]), "text": output(proc)}
+    return {"root": out, "loaded": loaded, "text": output(proc)}
 
 
 def test_get_state_dict_gives_full_cpu_tensors_on_the_main_process_only(run):

@@ -13,10 +13,8 @@ LightningModule (``self.model`` a tied transformers Llama, vocabulary 97), train
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import _hf
@@ -25,7 +23,7 @@ import torch
 import torch._dynamo
 from _dist import run_ranks
 from _lightning import trainer
-from test_export import assert_same_tensors, folder_tensors
+from test_export import assert_same_tensors, folder_tensors, load_without_plugin
 from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
@@ -69,41 +67,13 @@ def _runs(rank: int, world: int, root: str) -> dict:
     return {"params": params, "full_params": full_params, "sharded_dist": full_tr.strategy._save_distributed_checkpoint}
 
 
-_LOAD = """
-import json, sys
-import torch
-from transformers import AutoModelForCausalLM
-root = sys.argv[1]
-ref = torch.load(f"{root}/reference.pt")
-out = {"plugin imported": None}
-for name in ("on_train_end", "model_save_pretrained"):
-    model = AutoModelForCausalLM.from_pretrained(f"{root}/{name}")
-    with torch.no_grad():
-        logits = model(input_ids=ref["probe"]).logits
-    out[name] = {
-        "logits": (logits - ref["logits"]).abs().max().item(),
-        "same_weights": all(torch.equal(model.state_dict()[k], v) for k, v in ref["params"].items()),
-        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-    }
-out["plugin imported"] = "fsdp_overlap_plugin" in sys.modules
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("export_lightning")
     results = run_ranks(_runs, str(root), timeout=900)
-    loaded = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_LOAD), str(root)],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        check=False,
-        timeout=300,
-    )
-    assert loaded.returncode == 0, loaded.stderr[-4000:]
-    return {"root": root, "ranks": results, "loaded": json.loads(loaded.stdout.splitlines()[-1])}
+    names = ("on_train_end", "model_save_pretrained")
+    loaded = load_without_plugin({name: (root / name, root / "reference.pt") for name in names}, root)
+    return {"root": root, "ranks": results, "loaded": loaded}
 
 
 def test_saved_in_the_run_loads_with_plain_from_pretrained(run):
