@@ -278,6 +278,20 @@ def dynamo_counters() -> Any:
     return counters
 
 
+def guard_failure_counts() -> dict[Any, int]:
+    """How many guard failures Dynamo has recorded per code object so far (it records one
+    per recompilation, worded as its ``recompiles`` log words it); for
+    ``guard_failures_since``."""
+    failures = _attr("torch._dynamo.utils", "guard_failures")
+    return {code: len(reasons) for code, reasons in failures.items()} if failures is not None else {}
+
+
+def guard_failures_since(counts: dict[Any, int]) -> list[str]:
+    """The guard failures Dynamo recorded after ``guard_failure_counts()`` returned ``counts``."""
+    failures = _attr("torch._dynamo.utils", "guard_failures") or {}
+    return [reason for code, reasons in list(failures.items()) for reason in reasons[counts.get(code, 0) :]]
+
+
 def dynamo_unsupported_error() -> type:
     """The exception Dynamo raises for code it cannot trace."""
     return _attr("torch._dynamo.exc", "Unsupported") or RuntimeError

@@ -48,7 +48,7 @@ from . import passes
 from .config import OverlapConfig
 from .passes.events import graph_events
 from .passes.graph import collective_counts
-from .records import load_graph_records, save_record, summarize_pass
+from .records import load_graph_records, record_name, save_record, summarize_pass
 from .state import OverlapState, get_state
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "OverlapState",  # re-exported from state.py, where it lives
     "PassEntry",
     "PeerCompileError",
+    "RecompileLimitError",
     "UnbucketedError",
     "UnbucketedWarning",
     "compile_model",
@@ -307,6 +308,11 @@ class GraphBreakError(RuntimeError):
     """The forward has a graph break while ``fullgraph`` is true."""
 
 
+class RecompileLimitError(RuntimeError):
+    """Dynamo compiled the model's forward as often as ``torch._dynamo.config.recompile_limit``
+    allows and was asked for yet another graph."""
+
+
 class PeerCompileError(RuntimeError):
     """Compilation failed on another rank, so this one stops too (``on_compile_error: raise``)."""
 
@@ -336,33 +342,26 @@ def overlap_backend(state: OverlapState):
     config = state.config
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
-        from .ranks import RankAgreement, RankMismatchError, graph_fingerprint
+        from .ranks import RankAgreement, graph_fingerprint
 
         state.dynamo_graphs += 1
         index = state.dynamo_graphs
-        # keys unique per model, graph and torchrun attempt (a restart may reuse the store)
+        reason = _recompile_reason(state)
+        # keys unique per model and torchrun attempt (a restart may reuse the store)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         agreement = RankAgreement.default(
-            f"fsdp_overlap/{state.uuid()}/{attempt}/{state.instance}/graph{index}", config.rank_check_timeout
+            f"fsdp_overlap/{state.uuid()}/{attempt}/{state.instance}/round{len(state.agreed) + 1}",
+            config.rank_check_timeout,
         )
-        digest, entries = graph_fingerprint(gm, extra=json.dumps(state.plan))
-        if agreement is not None and config.rank_check != "off":
-            difference = agreement.same_graph("fingerprint", digest, entries)
-            if difference is not None:
-                message = (
-                    f"fsdp-overlap: the ranks compiled different graphs (graph {index}): {difference}. Every "
-                    "rank must run the same model code, shapes and config; ranks running different graphs "
-                    "would issue collectives that never match. (rank_check: warn only warns; off skips this.)"
-                )
-                if config.rank_check == "error":
-                    raise RankMismatchError(message)
-                warnings.warn(message, stacklevel=2)
-        # the records of this graph are kept under its fingerprint, so a later process whose
-        # FX graph cache hits (and whose passes therefore do not run) finds them
-        # (grad mode too: the same Dynamo graph compiles to a training or an inference graph)
-        state.graph_id = digest[:_GRAPH_ID_CHARS] + ("" if torch.is_grad_enabled() else "-no-grad")
+        digest, entries, local = graph_fingerprint(gm, extra=json.dumps(state.plan))
+        # the records of this graph are kept under its fingerprint on this rank, so a later
+        # process whose FX graph cache hits (and whose passes therefore do not run) finds
+        # them (grad mode too: the same Dynamo graph compiles to a training or an
+        # inference graph)
+        state.graph_id = local[:_GRAPH_ID_CHARS] + ("" if torch.is_grad_enabled() else "-no-grad")
         graph_id = state.graph_id
-        records_before = len(state.records)
+        records_before, joints_before = len(state.records), len(state.reshard)
+        sizes = _symbolic_sizes(gm)
         error: BaseException | None = None
         before = _cache_counters()
         try:
@@ -374,6 +373,26 @@ def overlap_backend(state: OverlapState):
             state.graph_id = None
         if config.backend == "inductor":
             state.compile_cache.append(_cache_use(index, graph_id, before, _cache_counters()))
+        records = state.records[records_before:]
+        if error is None and not records and state.passes_on:
+            records = _records_from_cache(state, graph_id)
+        for record in records + state.reshard[joints_before:]:
+            record["dynamo_graph"] = index  # which compile of the forward it came from (the report)
+            record["dynamic_sizes"] = sizes
+        collectives = _collective_entries(records) if state.passes_on else None
+        key = hashlib.sha256(json.dumps(collectives if collectives is not None else digest).encode()).hexdigest()
+        if reason is not None:
+            state.recompiles.append({"graph": index, "reason": reason, "agreed_before": key in state.agreed})
+        if agreement is not None and error is None and key in state.agreed:
+            # a recompile (a new sequence length, a dynamic one) that leaves collectives
+            # every rank already agreed on: the ranks need not recompile at the same step
+            # (each pads its own batches), so no agreement round is held for it
+            _check_unbucketed(state, records, index)
+            return compiled
+        if agreement is not None and error is not None and state.agreed:
+            # a recompile on this rank alone (the others may run an agreed graph and never
+            # join a round): it cannot make them switch to eager, so it stops
+            raise error
         if agreement is not None:
             failures = agreement.all_succeeded("compile", None if error is None else f"{type(error).__name__}: {error}")
         else:
@@ -388,15 +407,70 @@ def overlap_backend(state: OverlapState):
                 "stops too instead of waiting for it in a collective. on_compile_error: eager runs every rank "
                 "uncompiled."
             )
-        records = state.records[records_before:]
-        if not records and state.passes_on:
-            records = _records_from_cache(state, graph_id)
         if agreement is not None and config.rank_check != "off":
-            _check_same_collectives(agreement, records, index, config.rank_check)
+            _check_same_graph(agreement, digest, entries, index, config.rank_check)
+            if collectives is not None:
+                _check_same_collectives(agreement, collectives, index, config.rank_check)
+        state.agreed.append(key)
         _check_unbucketed(state, records, index)
         return compiled
 
     return backend
+
+
+def _symbolic_sizes(gm: fx.GraphModule) -> list[dict]:
+    """The input sizes Dynamo compiled this graph for symbolically (a dynamic sequence
+    length): each as ``{"input", "dim", "size", "traced_at"}``, ``size`` the expression
+    and ``traced_at`` its value in the call that compiled it (what estimates count with)."""
+    from .passes.graph import size_hint
+
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("example_value")
+        if not isinstance(val, torch.Tensor) or isinstance(val, nn.Parameter):
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None) or node.name  # a property on newer torch, a method before
+        name = name() if callable(name) else name
+        for dim, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.free_symbols:
+                out.append({"input": str(name), "dim": dim, "size": str(size), "traced_at": size_hint(size)})
+    return out
+
+
+def _recompile_reason(state: OverlapState) -> str | None:
+    """Why Dynamo is compiling this model's forward again (the guard that failed, as
+    Dynamo words it), or None for its first graph."""
+    if state.dynamo_graphs <= 1:
+        return None
+    reasons = compat.guard_failures_since(state.guard_counts)
+    # one line per cached graph, the most recent first: why the latest one did not fit
+    return _reason_words(reasons[0]) if reasons else "Dynamo did not say why"
+
+
+def _reason_words(reason: str) -> str:
+    """Dynamo's guard-failure line without its compile id prefix and user stack."""
+    first = reason.split("\nUser stack trace:", 1)[0].strip()
+    head, _, rest = first.partition(": ")
+    return rest if rest and head.replace("/", "").replace("_", "").isalnum() else first
+
+
+def _check_same_graph(agreement: Any, digest: str, entries: list, index: int, mode: str) -> None:
+    from .ranks import RankMismatchError
+
+    difference = agreement.same_graph("fingerprint", digest, entries)
+    if difference is None:
+        return
+    message = (
+        f"fsdp-overlap: the ranks compiled different graphs (graph {index}): {difference}. Every "
+        "rank must run the same model code and config; ranks running different graphs "
+        "would issue collectives that never match. (rank_check: warn only warns; off skips this.)"
+    )
+    if mode == "error":
+        raise RankMismatchError(message)
+    warnings.warn(message, stacklevel=3)
 
 
 def _cache_counters() -> dict[str, int]:
@@ -428,24 +502,36 @@ def _cache_use(index: int, graph_id: str, before: dict[str, int], after: dict[st
 _SIZED = ("all_gather", "reduce_scatter", "all_to_all")
 
 
-def _check_same_collectives(agreement: Any, records: list[dict], index: int, mode: str) -> None:
+def _collective_entries(records: list[dict]) -> list[list[str]]:
+    """What every rank's compiled graphs must share, in graph order: each collective's kind,
+    group and bytes (shard-group collectives: all-gathers, reduce-scatters and their
+    all-to-all form move padded, equal sizes on every rank; a replica all-reduce moves
+    this rank's shard, whose size legitimately differs between shard positions), and each
+    pass's decisions in a few numbers. Entries as ``ranks.first_difference`` reads them."""
+    entries = []
+    for r in records:
+        for e in (r.get("schedule") or {}).get("after", []):
+            if e["op"] in ("compute", "wait"):
+                continue
+            words = f"{record_name(r)} graph: {e['op']}" + (f" of {e['bytes']} bytes" if e["op"] in _SIZED else "")
+            if e.get("group") is not None:
+                words += f" on group {e['group']}"
+            entries.append([words, "", words])
+        for name, stats in r.get("passes", {}).items():
+            words = f"{record_name(r)} graph: {summarize_pass(name, stats)}"
+            entries.append([words, "", words])
+    return entries
+
+
+def _check_same_collectives(agreement: Any, entries: list[list[str]], index: int, mode: str) -> None:
     """Every rank's passes must leave the same collectives, in kind, order and size, or the
     ranks would issue collectives that never match (a hang, or gloo's "Received data
-    size doesn't match"). The Dynamo graphs are equal (checked before compiling), but
-    the graphs the passes see carry each rank's local shard shapes, so a pass that
-    decides on shapes could decide differently per rank: that is a bug in fsdp-overlap,
-    stopped here at the first step instead of in a collective."""
+    size doesn't match"). The Dynamo graphs agree (checked just before), but the graphs
+    the passes see carry each rank's local shard shapes, so a pass that decides on shapes
+    could decide differently per rank: that is a bug in fsdp-overlap, stopped here at
+    the first step instead of in a collective."""
     from .ranks import RankMismatchError
 
-    # in graph order: kind, and the bytes of shard-group collectives (all-gathers,
-    # reduce-scatters and their all-to-all form move padded, equal sizes on every rank; a replica all-reduce moves
-    # this rank's shard, whose size legitimately differs between shard positions)
-    entries = [
-        [f"{r['graph']} graph: {e['op']}" + (f" of {e['bytes']} bytes" if e["op"] in _SIZED else ""), ""]
-        for r in records
-        for e in (r.get("schedule") or {}).get("after", [])
-        if e["op"] not in ("compute", "wait")
-    ]
     digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
     difference = agreement.same_graph("collectives", digest, entries)
     if difference is None:
@@ -588,6 +674,39 @@ def graph_break_message(exc: BaseException) -> str:
     )
 
 
+def _is_recompile_limit(exc: BaseException) -> bool:
+    # Dynamo words it "Dynamo recompile limit exceeded" (2.11 to 2.15; "cache size limit"
+    # before the rename)
+    text = str(exc)
+    return "recompile limit" in text or "cache_size_limit" in text or "recompile_limit" in text
+
+
+def recompile_limit_message(state: OverlapState) -> str:
+    """What the recompile limit is, why this model reached it (the guards that failed) and
+    what to do: no graph break is involved."""
+    import torch._dynamo
+
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(
+        torch._dynamo.config, "cache_size_limit", "?"
+    )
+    latest = compat.guard_failures_since(state.guard_counts)
+    last = _reason_words(latest[0]) if latest else None
+    dynamic = state.config.dynamic
+    fix = (
+        "dynamic: true compiles one graph for every size from the first step"
+        if dynamic != True  # noqa: E712 - the config value, "auto" or a bool
+        else "sizes 0 and 1 are always compiled separately, and a guard in the model's code can still fix a size"
+    )
+    return (
+        f"fsdp-overlap: the model's forward was compiled {state.dynamo_graphs} times, Dynamo's recompile limit "
+        f"({limit}, torch._dynamo.config.recompile_limit), and a new call needs another graph: {last or 'Dynamo did not say why'}. "
+        + "This is no graph break: each compile is one whole graph, but a guard on the inputs failed. "
+        f"Fixes: {fix}; or pad batches to a few lengths (pad_to_multiple_of in transformers' collators); or raise "
+        "torch._dynamo.config.recompile_limit if the graphs are expected (training and eval modes, grad and no_grad "
+        "each count). Run with TORCH_LOGS=recompiles to see every reason."
+    )
+
+
 def _warn_graph_breaks(model: nn.Module, state: OverlapState, graphs: int, records: list[dict]) -> None:
     forward = [r for r in records if r["graph"] == "forward"]
     gathered = sum(r["before"]["all_gather"] for r in forward)
@@ -617,6 +736,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
     def call(*args: Any, **kwargs: Any) -> Any:
         first = not state.called
         graphs_before, records_before = state.dynamo_graphs, len(state.records)
+        state.guard_counts = compat.guard_failure_counts()
         try:
             out = compiled(*args, **kwargs)
         except Exception as exc:
@@ -633,10 +753,14 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
                 return model._call_impl(*args, **kwargs)
             from .ranks import RankMismatchError, RankTimeoutError
 
-            ours = _find(exc, (RankMismatchError, RankTimeoutError, PeerCompileError, UnbucketedError))
+            ours = _find(
+                exc, (RankMismatchError, RankTimeoutError, PeerCompileError, UnbucketedError, RecompileLimitError)
+            )
             if ours is not None:
                 raise ours from None  # our message, not Dynamo's wrapper around it
             unsupported = _find(exc, compat.dynamo_unsupported_error())
+            if unsupported is not None and _is_recompile_limit(unsupported):
+                raise RecompileLimitError(recompile_limit_message(state)) from exc
             if unsupported is not None and state.config.fullgraph:
                 raise GraphBreakError(graph_break_message(unsupported)) from exc
             raise
@@ -653,6 +777,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
 def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:
     """Compile ``model`` in place (``module.compile``: hooks, names and state-dict keys
     stay as they are; no ``_orig_mod`` wrapper)."""
-    model.compile(backend=overlap_backend(state), fullgraph=state.config.fullgraph)
+    dynamic = {"auto": None}.get(state.config.dynamic, state.config.dynamic)  # torch.compile's meaning
+    model.compile(backend=overlap_backend(state), fullgraph=state.config.fullgraph, dynamic=dynamic)
     _install_call_guard(model, state)
     return model

@@ -73,6 +73,7 @@ _BACKENDS = ("inductor", "aot_eager")
 _REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all", "receive_first")
 AC_POLICIES = ("full", "matmuls_saved")  # activation_checkpointing_policy; passes/checkpointing.py implements each
 _RANK_CHECK = ("error", "warn", "off")
+_DYNAMIC = ("auto", True, False)
 _ON_COMPILE_ERROR = ("raise", "eager")
 _ON_UNBUCKETED = ("error", "warn")
 ON_UNINITIALIZED = ("error", "warn")
@@ -256,6 +257,16 @@ class OverlapConfig:
     """Require one graph for the whole forward. A graph break leaves collectives outside the
     graph, where they are not overlapped."""
 
+    dynamic: str | bool = "auto"
+    """Whether sizes may vary between calls without a recompile, as torch.compile(dynamic=...):
+    "auto" compiles the first call's sizes as constants and, at the first call whose sizes
+    differ (a batch padded to another sequence length), once more with those sizes
+    symbolic, which then serves every length: two compiles in all; true compiles symbolic
+    sizes from the first call (one compile; sizes 0 and 1 still get their own); false
+    compiles every new size anew (Dynamo's recompile_limit, 8, then stops the run with
+    RecompileLimitError). Buckets depend on parameter sizes only, so every length gets the
+    same buckets and overlap. Each rank may pad its own batches to its own length."""
+
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Data-parallel mesh, {shard: -1, replicate: 1}; replicate > 1 means HSDP."""
 
@@ -412,6 +423,11 @@ class OverlapConfig:
             _check_bool(name, getattr(self, name))
         if self.separate_gather_group is not None:
             _check_bool("separate_gather_group", self.separate_gather_group)
+        if self.dynamic not in _DYNAMIC or (isinstance(self.dynamic, int) and not isinstance(self.dynamic, bool)):
+            raise OverlapConfigError(
+                f"dynamic: unknown value {self.dynamic!r}; valid: auto, true, false (as torch.compile's dynamic: "
+                "auto is its None)."
+            )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             parse_dtype(value, name)

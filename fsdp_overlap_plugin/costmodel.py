@@ -68,16 +68,25 @@ def simulate(events: list[dict], *, world: int, flops: float, mem: float, link: 
     }
 
 
+def _running(report: dict) -> list[dict]:
+    graphs = report.get("graphs") or []
+    fullgraph = (report.get("config") or {}).get("fullgraph", True)
+    training = [r for r in graphs if not r.get("inference")]
+    if not fullgraph or not training:
+        return graphs
+    latest = max(r.get("dynamo_graph", 0) for r in training)
+    return [r for r in graphs if r.get("dynamo_graph", 0) == latest]
+
+
 def predicted(report: dict, rates: dict | None = None) -> dict:
     """Predicted total and exposed-communication seconds per kind of graph, before/after
-    the passes: the sum over that kind's training graphs (one, without graph breaks)."""
+    the passes: the sum over that kind's training graphs that run now (one, without graph
+    breaks; the latest compile when a new sequence length compiled the forward again)."""
     rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
     keys = ("total_s", "exposed_comm_s", "comm_s", "compute_s")
     out: dict = {}
     for kind in KINDS:
-        records = [
-            r for r in report.get("graphs") or [] if r["graph"] == kind and not r.get("inference") and "schedule" in r
-        ]
+        records = [r for r in _running(report) if r["graph"] == kind and not r.get("inference") and "schedule" in r]
         if not records and (report.get(kind) or {}).get("schedule"):
             records = [report[kind]]  # a report written before per-graph records
         if not records:

@@ -41,11 +41,29 @@ class RankTimeoutError(RuntimeError):
     """Some ranks did not reach a rank check in time."""
 
 
-def _describe(node: fx.Node) -> str:
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _shape_words(shape: Any) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _describe(node: fx.Node) -> tuple[str, str] | None:
+    """``(description, agreed part)`` of one node, or None for a node that only computes
+    a size (a symbolic size's placeholder, ``sym_size``, arithmetic on sizes).
+
+    The description (operation, target, shape, dtype) is what a message shows. The agreed
+    part is what must be the same on every rank: the operation, its target, the dtype and
+    number of dimensions, not the sizes. Ranks legitimately trace different sizes (each
+    pads its own batch to its longest sequence), number their symbols differently, and
+    one whose input is a slice at a nonzero storage offset gets a symbol for the offset.
+    What they must agree on in size, the collectives, is compared after the passes."""
     target = node.target
     if node.op in ("call_function", "call_method"):
         target = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
     val = node.meta.get("example_value", node.meta.get("val"))
+    if node.op != "output" and isinstance(val, _SYMBOLIC):
+        return None
     if node.op == "call_method" and target == "to_local" and node.args:
         # a shard's local shape depends on the rank when shards are uneven (the HSDP
         # gather reads the shard itself): describe the DTensor, the same on every rank
@@ -54,11 +72,12 @@ def _describe(node: fx.Node) -> str:
         source = getattr(node.args[0], "meta", {}).get("example_value")
         if isinstance(source, DTensor):
             dtype = str(source.dtype).replace("torch.", "")
-            return f"{node.op} {target} of {tuple(source.shape)} {dtype} {source.placements}"
-    shape = ""
+            words = f"{node.op} {target} of {tuple(source.shape)} {dtype} {source.placements}"
+            return words, words  # a parameter's global shape: the same everywhere
     if isinstance(val, torch.Tensor):
-        shape = f" {tuple(val.shape)} {str(val.dtype).replace('torch.', '')}"
-    return f"{node.op} {target}{shape}"
+        dtype = str(val.dtype).replace("torch.", "")
+        return f"{node.op} {target} {_shape_words(val.shape)} {dtype}", f"{node.op} {target} {val.dim()}d {dtype}"
+    return f"{node.op} {target}", f"{node.op} {target}"
 
 
 def _source(node: fx.Node) -> str:
@@ -67,19 +86,28 @@ def _source(node: fx.Node) -> str:
     return lines[-1] if lines else ""
 
 
-def graph_fingerprint(gm: fx.GraphModule, extra: str = "") -> tuple[str, list[list[str]]]:
-    """``(digest, entries)``: one ``[description, source line]`` per node. The digest covers
-    the descriptions (operations, targets, shapes, dtypes) and ``extra`` (the plan), not
-    the source lines, which may differ between machines with different install paths."""
-    entries = [[_describe(n), _source(n)] for n in gm.graph.nodes]
-    digest = hashlib.sha256(("\n".join(e[0] for e in entries) + "\n" + extra).encode()).hexdigest()
-    return digest, entries
+def graph_fingerprint(gm: fx.GraphModule, extra: str = "") -> tuple[str, list[list[str]], str]:
+    """``(digest, entries, local digest)``.
+
+    ``entries`` holds one ``[description, source line, agreed part]`` per node (nodes that
+    only compute sizes left out, see ``_describe``). ``digest`` covers the agreed parts
+    and ``extra`` (the plan): what every rank must share. ``local digest`` covers the full
+    descriptions, sizes included: this graph on this rank, to file its records under."""
+    entries = []
+    for node in gm.graph.nodes:
+        described = _describe(node)
+        if described is not None:
+            entries.append([described[0], _source(node), described[1]])
+    digest = hashlib.sha256(("\n".join(e[2] for e in entries) + "\n" + extra).encode()).hexdigest()
+    local = hashlib.sha256(("\n".join(e[0] for e in entries) + "\n" + extra).encode()).hexdigest()
+    return digest, entries, local
 
 
 def first_difference(reference: list[list[str]], mine: list[list[str]], rank: int) -> str:
-    """Where this rank's graph first departs from rank 0's, in words."""
+    """Where this rank's graph first departs from rank 0's, in words (entries as
+    ``graph_fingerprint`` makes them: compared on the agreed part when they have one)."""
     for i, (ref, cur) in enumerate(zip(reference, mine)):
-        if ref[0] != cur[0]:
+        if ref[-1] != cur[-1]:
             where = f" ({cur[1]})" if cur[1] else ""
             return f"node {i}: rank 0 has `{ref[0]}`, rank {rank} has `{cur[0]}`{where}"
     if len(reference) != len(mine):

@@ -55,7 +55,9 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
     if state is None:
         raise ValueError("schedule_report: this model was not prepared by fsdp_overlap_plugin.parallelize().")
     config = state.config
-    graphs = _labelled(state.records)
+    graphs = _labelled(state.records, config.fullgraph)
+    running = current(graphs, config.fullgraph)
+    joints = current(state.reshard, config.fullgraph)
     report: dict[str, Any] = {
         "mode": (
             "eager after a compile failure"
@@ -80,18 +82,20 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             "groups": sorted(state.exchange_groups.values()),
             "exchanges": exchanges_run(*state.exchange_groups.values()) - state.exchanges_before,
         },
-        "prefetch": prefetch_total(state.records, config),
+        "prefetch": prefetch_total(running, config),
         "plan": state.plan,
-        "reshard": reshard_total(state.reshard),
+        "reshard": reshard_total(joints),
         "activation_checkpointing": checkpointing_total(state),
         "unbucketed_params": state.unbucketed_params,
         "adjustments": list(state.adjustments),
         "config": config.to_dict(),
         "graphs": graphs,
         "compile_cache": list(state.compile_cache),
+        "recompiles": list(state.recompiles),
+        "dynamic_sizes": (running[-1].get("dynamic_sizes") or []) if running else [],
     }
     for kind in KINDS:
-        training = [r for r in graphs if r["graph"] == kind and not r.get("inference")]
+        training = [r for r in running if r["graph"] == kind and not r.get("inference")]
         report[kind] = training[0] if len(training) == 1 else (total_of(training) if training else None)
     report["predicted"] = predicted(report)
     return report
@@ -152,8 +156,24 @@ def checkpointing_total(state: Any) -> dict:
     }
 
 
-def _labelled(records: list[dict]) -> list[dict]:
-    """Copies of the records with ``label``: "forward", or "forward 2 of 3" when several."""
+def current(records: list[dict], fullgraph: bool) -> list[dict]:
+    """The training records of the graphs that run now, and every inference record.
+
+    With ``fullgraph`` each Dynamo graph is the whole forward, and a later one was compiled
+    because an earlier one's guards failed (a new sequence length): the latest replaces
+    the earlier ones, so the latest is what runs, not their sum. With graph breaks the
+    graphs are pieces of one forward, all of which run."""
+    training = [r for r in records if not r.get("inference")]
+    if not fullgraph or not training:
+        return list(records)
+    latest = max(r.get("dynamo_graph", 0) for r in training)
+    return [r for r in records if r.get("inference") or r.get("dynamo_graph", 0) == latest]
+
+
+def _labelled(records: list[dict], fullgraph: bool = True) -> list[dict]:
+    """Copies of the records with ``label``: "forward"; "forward 2 of 3" for the pieces
+    of a forward split by graph breaks; "forward (compile 2 of 2)" for a forward compiled
+    again (``fullgraph``: each compile is a whole forward, the latest runs)."""
     totals: dict[str, int] = {}
     for record in records:
         totals[record_name(record)] = totals.get(record_name(record), 0) + 1
@@ -162,7 +182,12 @@ def _labelled(records: list[dict]) -> list[dict]:
     for record in records:
         key = record_name(record)
         seen[key] = seen.get(key, 0) + 1
-        label = key if totals[key] == 1 else f"{key} {seen[key]} of {totals[key]}"
+        if totals[key] == 1:
+            label = key
+        elif fullgraph:
+            label = f"{key} (compile {seen[key]} of {totals[key]})"
+        else:
+            label = f"{key} {seen[key]} of {totals[key]}"
         out.append(dict(record, label=label))
     return out
 
@@ -215,6 +240,23 @@ def _cache_summary(cache: list[dict]) -> str:
     )
 
 
+def _recompile_lines(report: dict[str, Any]) -> list[str]:
+    """Why the forward was compiled more than once, and which sizes its graph keeps
+    symbolic (the sizes the byte, FLOP and time estimates are counted at)."""
+    lines = []
+    for r in report.get("recompiles") or []:
+        lines.append(f"  compiled again (graph {r['graph']}): {r['reason']}")
+    sizes = report.get("dynamic_sizes") or []
+    if sizes:
+        named = ", ".join(f"{s['input']} dim {s['dim']} = {s['size']}" for s in sizes)
+        at = ", ".join(dict.fromkeys(f"{s['size']} = {s['traced_at']}" for s in sizes))
+        lines.append(
+            f"  dynamic sizes: {named}; one graph serves every value (same buckets and collectives); "
+            f"bytes, FLOPs and predictions below are counted at the traced values ({at})"
+        )
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A short human-readable summary of ``schedule_report``."""
     lines = []
@@ -263,10 +305,12 @@ def format_report(report: dict[str, Any]) -> str:
         several = [g for g in graphs if g["graph"] == kind and not g.get("inference")]
         if len(several) > 1:
             lines.extend(row(g["label"], g) for g in several)
-            lines.append(row(f"{kind} total", record))
+            if record.get("graphs"):  # the pieces of one forward (graph breaks): their sum
+                lines.append(row(f"{kind} total", record))
         else:
             lines.append(row(kind, record))
     lines.extend(row(g["label"], g) for g in graphs if g.get("inference"))
+    lines.extend(_recompile_lines(report))
     for kind, phases in (report.get("predicted") or {}).items():
         b, a = phases["before"], phases["after"]
         lines.append(

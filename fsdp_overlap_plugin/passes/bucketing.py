@@ -71,6 +71,7 @@ from .graph import (
     is_wait,
     merge_duplicate_waits,
     node_args,
+    numel_hint,
     owner_module,
     param_fqn,
     wait_of,
@@ -417,7 +418,7 @@ def _gathered_bytes(unit: _Unit) -> int:
     val = unit.wait.meta.get("val")
     if val is None:
         return 0
-    return val.numel() * val.element_size()
+    return numel_hint(val) * val.element_size()
 
 
 def _defer_scatter_waits(units: list[_Unit], pos: Positions, deps: dict, before_copy_in: bool) -> tuple[int, bool]:

@@ -17,6 +17,7 @@ import torch.fx as fx
 from .graph import (
     collective_of_wait,
     effective_target,
+    group_name,
     is_all_gather,
     is_all_reduce,
     is_collective,
@@ -25,6 +26,8 @@ from .graph import (
     is_wait,
     module_path,
     node_args,
+    numel_hint,
+    size_hint,
 )
 from .plan_index import BucketIndex
 
@@ -35,7 +38,7 @@ aten = torch.ops.aten
 
 def _tensor_bytes(val: Any) -> int:
     if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
+        return numel_hint(val) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(_tensor_bytes(v) for v in val)
     return 0
@@ -56,14 +59,15 @@ def _is_attention_cached(target: Any) -> bool:
 
 def _flops(node: fx.Node) -> int:
     """Rough FLOPs of a node: 2*M*N*K for matmuls, 4*B*H*L*S*D for attention, one per
-    output element otherwise. Good enough to draw and compare schedules."""
+    output element otherwise. Good enough to draw and compare schedules. A dynamic size
+    counts at the value it had when the graph was traced (``size_hint``, no guard)."""
     target = effective_target(node)
     args = node_args(node)
 
     def shape(i: int) -> list[int]:
         arg = args[i] if i < len(args) else None
         val = getattr(arg, "meta", {}).get("val")
-        return list(val.shape) if isinstance(val, torch.Tensor) else []
+        return [size_hint(s) for s in val.shape] if isinstance(val, torch.Tensor) else []
 
     try:
         if target is aten.mm.default:
@@ -81,14 +85,21 @@ def _flops(node: fx.Node) -> int:
     except ValueError:
         pass
     val = node.meta.get("val")
-    return int(val.numel()) if isinstance(val, torch.Tensor) else 0
+    return numel_hint(val) if isinstance(val, torch.Tensor) else 0
+
+
+def _group_words(node: fx.Node) -> str | None:
+    group = group_name(node)
+    return None if group is None else str(group)
 
 
 def graph_events(graph: fx.Graph, plan: list[list[str]]) -> list[dict]:
     """The graph's schedule as a list: each launch, each wait, and runs of compute merged
     into one item, in graph order. Items: ``{"op": "all_gather" | "reduce_scatter" |
     "all_reduce" | "collective" | "wait" | "compute", "name", "bucket", "module",
-    "bytes", "flops", "of"}`` (``of``: the launch a wait waits on)."""
+    "bytes", "flops", "of"}`` (``of``: the launch a wait waits on), and a launch's
+    ``group`` (its process group's name). Bytes and FLOPs of a graph compiled for dynamic
+    sizes are counted at the sizes it was traced with."""
     index = BucketIndex(plan)
     events: list[dict] = []
 
@@ -139,6 +150,7 @@ def graph_events(graph: fx.Graph, plan: list[list[str]]) -> list[dict]:
                     "bytes": size,
                     "flops": 0,
                     "of": None,
+                    "group": _group_words(node),
                 }
             )
         elif not is_view(node) and node.target is not operator.getitem:

@@ -39,7 +39,9 @@ __all__ = [
     "is_reduce_scatter",
     "is_view",
     "is_wait",
+    "size_hint",
     "merge_duplicate_waits",
+    "numel_hint",
     "module_path",
     "dynamo_module_path",
     "node_args",
@@ -61,6 +63,27 @@ _ALL_GATHERS = (C10D.all_gather_into_tensor.default, C10D.all_gather_into_tensor
 # keyed by ``id(target)`` and hold the target itself (so the id cannot be reused): an
 # ``OpOverload``'s ``__hash__`` is Python code, which a ``functools.cache`` would call on
 # every lookup.
+
+
+def size_hint(size: Any) -> int:
+    """An int, or the value a symbolic size (a dynamic sequence length) had when Dynamo
+    traced the graph, read without guarding on it: ``int()`` of a ``SymInt`` would add a
+    guard that specialises the graph to that one value (one recompile per length). For
+    estimates (bytes, FLOPs) only; an unbacked size with no hint counts as 0."""
+    if isinstance(size, (torch.SymInt, torch.SymFloat)):
+        hint = size.node.hint
+        if hint is None:
+            return 0
+        return int(hint)
+    return int(size)
+
+
+def numel_hint(val: Any) -> int:
+    """``val.numel()`` of a (fake) tensor, symbolic sizes at their hints, without guarding."""
+    count = 1
+    for size in val.shape:
+        count *= size_hint(size)
+    return count
 
 
 def _per_target(table: dict[int, tuple[Any, Any]], decide: Any, target: Any) -> Any:

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph import is_fsdp_all_gather, is_preparation_op, is_view, owner_module, param_fqn, wait_of
+from .graph import is_fsdp_all_gather, is_preparation_op, is_view, numel_hint, owner_module, param_fqn, wait_of
 from .plan_index import BucketIndex
 from .prefetch import kept_buckets
 
@@ -162,7 +162,7 @@ def _last_buckets(gathers: list[fx.Node], keys: list, keep: int, budget: int | N
     for node, key in zip(gathers, keys):
         wait = wait_of(node)
         val = wait.meta.get("val") if wait is not None else None
-        held[key] = held.get(key, 0) + (val.numel() * val.element_size() if val is not None else 0)
+        held[key] = held.get(key, 0) + (numel_hint(val) * val.element_size() if val is not None else 0)
     order = list(dict.fromkeys(reversed(keys)))  # last gathered first
     kept = order[: kept_buckets([held[key] for key in reversed(order)], keep, budget, cover)]
     return kept, sum(held[key] for key in kept)
