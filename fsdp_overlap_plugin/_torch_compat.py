@@ -292,6 +292,12 @@ def guard_failures_since(counts: dict[Any, int]) -> list[str]:
     return [reason for code, reasons in list(failures.items()) for reason in reasons[counts.get(code, 0) :]]
 
 
+def dynamo_restart_error() -> type:
+    """The exception by which a compile asks Dynamo to trace the frame again (for example
+    to turn a float scalar into a tensor under dynamic shapes): no failure."""
+    return _attr("torch._dynamo.exc", "RestartAnalysis") or type("NoRestart", (Exception,), {})
+
+
 def dynamo_unsupported_error() -> type:
     """The exception Dynamo raises for code it cannot trace."""
     return _attr("torch._dynamo.exc", "Unsupported") or RuntimeError

@@ -367,6 +367,12 @@ def overlap_backend(state: OverlapState):
         try:
             with compat.eager_backward_lowering():
                 compiled = inner(gm, example_inputs)
+        except compat.dynamo_restart_error():
+            # Dynamo traces the frame again and calls us with the graph it then gets (every
+            # rank does the same): this attempt compiled nothing, and leaves nothing behind
+            del state.records[records_before:], state.reshard[joints_before:]
+            state.dynamo_graphs -= 1
+            raise
         except Exception as exc:  # every rank must hear of it before anyone runs the graph
             error = exc
         finally:
@@ -764,6 +770,19 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
             if unsupported is not None and state.config.fullgraph:
                 raise GraphBreakError(graph_break_message(unsupported)) from exc
             raise
+        if (
+            not state.config.fullgraph
+            and state.dynamo_graphs == graphs_before
+            and "recompile-limit" not in state.warned
+        ):
+            # a guard failed but nothing was compiled: past the recompile limit Dynamo runs
+            # the frame uncompiled (fullgraph: false), our passes and buckets gone with it
+            if compat.guard_failures_since(state.guard_counts):
+                state.warned.add("recompile-limit")
+                warnings.warn(
+                    recompile_limit_message(state) + " With fullgraph: false Dynamo now runs it uncompiled.",
+                    stacklevel=2,
+                )
         if first:
             state.called = True
             graphs = state.dynamo_graphs - graphs_before

@@ -320,11 +320,14 @@ class OverlapConfig:
     check prints the resulting peak and which order runs; so does the schedule report."""
 
     rank_check: str = "error"
-    """Before the passes reorder anything, every rank compares a fingerprint of each compiled
-    graph (operations, shapes, dtypes, plan) with rank 0's through the process group's store:
-    "error" stops every rank on a mismatch, naming the first differing node; "warn" only
-    warns; "off" skips the check. Ranks running different graphs would otherwise issue
-    collectives that never match, and hang."""
+    """Before any rank runs a new graph, every rank compares it with rank 0's through the
+    process group's store: a fingerprint of the graph (operations, dtypes, number of
+    dimensions, plan; not sizes, which may differ when each rank pads its own batch) and the
+    collectives the passes left (kind, group, bytes, order, and the passes' decisions).
+    "error" stops every rank on a mismatch, naming the first difference; "warn" only warns;
+    "off" skips the check. A recompile that leaves collectives the ranks already agreed on
+    (a new sequence length) is not compared again. Ranks running different graphs would
+    otherwise issue collectives that never match, and hang."""
 
     rank_check_timeout: float = 300.0
     """Seconds a rank waits for the others at a rank check or compile agreement, or at an

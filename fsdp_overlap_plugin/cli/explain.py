@@ -126,6 +126,17 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
         )
     if plan:
         lines.append(f"plan    {len(plan)} buckets: " + "  ".join(f"{i} [{', '.join(b)}]" for i, b in enumerate(plan)))
+    for r in report.get("recompiles") or []:
+        lines.append(f"compiled again (graph {r['graph']}): {r['reason']}; the graphs below are the latest compile's")
+    sizes = report.get("dynamic_sizes") or []
+    if sizes:
+        lines.append(
+            "sizes   symbolic: "
+            + ", ".join(f"{s['input']} dim {s['dim']} = {s['size']}" for s in sizes)
+            + "; bytes and FLOPs below are counted at the values traced ("
+            + ", ".join(dict.fromkeys(f"{s['size']} = {s['traced_at']}" for s in sizes))
+            + "); the collectives are the same at every value"
+        )
     for kind, entry in result["graphs"].items():
         lines.append("")
         if not entry["compiled"]:

@@ -79,7 +79,8 @@ def _signature(pairs: list[tuple[fx.Node, fx.Node, list[fx.Node]]]) -> tuple:
 
     source = node_args(pairs[0][0])[0]
     val = source.meta.get("val")
-    shape = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+    # sizes as words: a symbolic size cannot be hashed, and comparing it would add a guard
+    shape = (tuple(str(s) for s in val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
     return (shape, tuple(key(c) + (w.target, tuple(_view_key(v) for v in views)) for c, w, views in pairs))
 
 
