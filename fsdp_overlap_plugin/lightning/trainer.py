@@ -111,6 +111,7 @@ class TrainerStrategyMixin(StrategyBase):
         compile: bool | None = None,
         backend: str | None = None,
         fullgraph: bool | None = None,
+        dynamic: bool | str | None = None,
         mesh: dict | None = None,
         activation_checkpointing: list | None = None,
         activation_checkpointing_policy: str | None = None,
