@@ -67,6 +67,17 @@ Models (``--model``, sized by ``--model-size``, default ``small``):
 Losses agree across modes (the table's last column: the largest difference from
 fsdp2-eager over the timed steps, which see the same batches in every mode).
 
+Variable sequence lengths (``--lengths 64,96,128``): step k of every mode, warm-up steps
+included, trains on a batch of length ``lengths[k % len(lengths)]`` (the fixed batches cut
+to that length), so every mode sees the same sequence of lengths and the same batches.
+With at least 2 warm-up steps on 2 different lengths, each compiled mode's dynamic graph
+(``dynamic: auto``: a static graph for the first length, one with a symbolic length at the
+second) is compiled before timing. The table is followed by each compiled mode's Dynamo
+graphs (after warm-up, and after the timed steps: equal when no timed step recompiled).
+Dynamo remembers per code object which sizes changed, so a compiled mode that runs the
+same forward code as an earlier one (the same model class) may compile its dynamic
+graph at its first length: 1 graph. Not with ``--memory``.
+
 Lower bounds: transport = max(compute-only, comm-only) for the rows that reduce-scatter
 as receive-first all-to-all (both, both+prefetch-2, both+gather-group, both+fsdp2-order),
 max(compute-only, comm-only+all-to-all) for both+all-to-all, max(compute-only,
@@ -105,6 +116,7 @@ the compute-only step and to the main threads' CPU time (see schedule_sim.py).
     python benchmarks/step_time.py --rate 1gbit --model-size medium --steps 20 --json out.json
     sudo python benchmarks/step_time.py --model hf-llama # the transformers Llama, all modes
     python benchmarks/step_time.py --model hf-llama --quick --loopback
+    sudo python benchmarks/step_time.py --modes fsdp2-eager,both --lengths 64,96,128,80,112
 
 Peak memory per mode (``--memory``): for each mode, a fresh 2-rank run of that mode alone,
 over the same shaped link as the time table (loopback with ``--loopback`` or without root):
@@ -224,6 +236,11 @@ def parse_rate(text: str) -> float:
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * scale
     return float(text)
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'64,96,128' -> [64, 96, 128]."""
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 class Namespaces:
@@ -362,6 +379,9 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
             "steps": len(times),
             "peak_rss_mib": [res["modes"][mode]["peak_rss_mib"] for res in results],  # per-step increase
             "losses": data.get("losses"),
+            "lengths": data.get("lengths"),
+            "compiles_warm": [res["modes"][mode].get("compiles_warm") for res in results],
+            "compiles": [res["modes"][mode].get("compiles") for res in results],
         }
     eager_losses = rows.get("fsdp2-eager", {}).get("losses")
     for row in rows.values():  # the same batches in every mode: step i of each is comparable
@@ -421,6 +441,13 @@ def print_table(summary: dict, header: str) -> None:
             f"{ratio('x_transport'):>9} {ratio('x_ideal'):>8} {rss:>20}  {loss}"
         )
     t, i = summary["transport_bound_s"], summary["ideal_bound_s"]
+    compiled = {m: r for m, r in summary["rows"].items() if any(c is not None for c in r.get("compiles") or [])}
+    if compiled:
+        counts = "; ".join(
+            f"{mode} {'/'.join(map(str, row['compiles_warm']))} -> {'/'.join(map(str, row['compiles']))}"
+            for mode, row in compiled.items()
+        )
+        print(f"Dynamo graphs per compiled mode r0/r1 (after warm-up -> after the timed steps): {counts}")
     print("max |loss - eager|: over the timed steps (same batches in every mode); compute-only trains each rank")
     print("on its half batch without averaging, so it differs by design.")
     print("step RSS +MiB: the largest increase of resident memory during one step (gathered parameters,")
@@ -499,6 +526,11 @@ def main() -> None:
         help="fewer modes, 1 repetition, 10 steps (< 3 minutes; with --memory: fewer modes)",
     )
     parser.add_argument("--loopback", action="store_true", help="skip the namespaces even as root")
+    parser.add_argument(
+        "--lengths",
+        help="comma-separated sequence lengths (at most the model's seq), cycled: step k of every mode uses "
+        "lengths[k %% n]; the first two differ (the warm-up compiles the dynamic graph)",
+    )
     parser.add_argument("--json", help="write the summary and raw step times here")
     parser.add_argument("--timeline-png", help="draw rank 0's link activity during one `both` step")
     parser.add_argument("--report-json", help="write the `both` model's schedule report (for `fsdp-overlap timeline`)")
@@ -541,6 +573,16 @@ def main() -> None:
         args.reps, args.steps = 1, 10
     if args.steps < 10 and not args.quick:
         parser.error("--steps must be at least 10")
+    if args.lengths:
+        lengths = parse_lengths(args.lengths)
+        if args.memory:
+            parser.error("--lengths: not with --memory")
+        if len(lengths) < 2 or lengths[0] == lengths[1] or min(lengths) < 2:
+            parser.error("--lengths: at least two lengths (>= 2), the first two different")
+        if max(lengths) > vocab_and_seq(args.model, args.model_size)[1]:
+            parser.error(f"--lengths: at most {vocab_and_seq(args.model, args.model_size)[1]} (the model's seq)")
+        if args.warmup < 2:
+            parser.error("--lengths needs --warmup 2 or more (a static and a dynamic compile before timing)")
     rate_bps = parse_rate(args.rate)
     args.worker_args = [
         "--model",
@@ -568,6 +610,8 @@ def main() -> None:
         args.worker_args += ["--trace-dir", str(Path(args.trace_dir).resolve()), "--trace-mode", args.trace_mode]
     if args.recv_first:
         args.worker_args.append("--recv-first")
+    if args.lengths:
+        args.worker_args += ["--lengths", ",".join(map(str, parse_lengths(args.lengths)))]
     ok, why = Namespaces.available()
     use_netns = ok and not args.loopback
     if args.memory:
@@ -580,6 +624,7 @@ def main() -> None:
     header = (
         f"step_time: 2 ranks over {where}; {describe_model(args.model, args.model_size)}, batch {BATCH_PER_RANK}"
         f"/rank), {args.plan} plan, SGD; {args.reps} x {args.steps} timed steps per mode"
+        + (f"; sequence lengths cycled {args.lengths}" if args.lengths else "")
     )
     print(header, flush=True)
     out_dir = Path(tempfile.mkdtemp(prefix="fsdp_overlap_bench_"))
@@ -1052,7 +1097,8 @@ def worker(args: argparse.Namespace) -> None:
     rate_bps = parse_rate(args.rate)
     if args.memory:
         return memory_worker(args, modes, rank, world, rate_bps)
-    data = _data(vocab, seq, world, args.warmup + args.reps * args.steps + 1)
+    lengths = parse_lengths(args.lengths) if args.lengths else None
+    data = _data(vocab, seq, world, args.warmup + args.reps * args.steps + 1, lengths)
     runners: dict[str, object] = {}
     results: dict[str, dict] = {m: {"times": [], "losses": [], "peak_rss_mib": 0.0} for m in modes}
     step_index = dict.fromkeys(modes, 0)
@@ -1070,6 +1116,7 @@ def worker(args: argparse.Namespace) -> None:
                 for _ in range(args.warmup):
                     runners[mode].step(data[step_index[mode]])
                     step_index[mode] += 1
+                results[mode]["compiles_warm"] = dynamo_graphs(runners[mode])
                 log(f"[{mode}] ready after {time.perf_counter() - t:.1f} s (compile + {args.warmup} warm-up steps)")
             runner = runners[mode]
             for _ in range(args.steps):
@@ -1081,9 +1128,13 @@ def worker(args: argparse.Namespace) -> None:
                 results[mode]["peak_rss_mib"] = max(results[mode]["peak_rss_mib"], runner.peak_rss)
                 if loss is not None:
                     results[mode]["losses"].append(loss)
+                if lengths:
+                    results[mode].setdefault("lengths", []).append(lengths[step_index[mode] % len(lengths)])
                 step_index[mode] += 1
             med = statistics.median(results[mode]["times"][-args.steps :])
             log(f"rep {rep + 1}/{args.reps} {mode:<18} median {med:.3f} s/step")
+    for mode, runner in runners.items():
+        results[mode]["compiles"] = dynamo_graphs(runner)
     if "both" in runners:
         import fsdp_overlap_plugin as fo
 
@@ -1112,10 +1163,25 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _data(vocab: int, seq: int, world: int, steps: int):
+def _data(vocab: int, seq: int, world: int, steps: int, lengths: list[int] | None = None):
+    """The fixed batches (the same on every rank and in every mode); with ``lengths``,
+    batch k cut to ``lengths[k % len(lengths)]`` tokens."""
     from fsdp_overlap_plugin.models import fixed_batches
 
-    return fixed_batches(steps, BATCH_PER_RANK * world, seq, vocab, seed=7)
+    batches = fixed_batches(steps, BATCH_PER_RANK * world, seq, vocab, seed=7)
+    if not lengths:
+        return batches
+    cut = [lengths[k % len(lengths)] for k in range(steps)]
+    return [(x[:, :n].contiguous(), y[:, :n].contiguous()) for (x, y), n in zip(batches, cut)]
+
+
+def dynamo_graphs(runner) -> int | None:
+    """The graphs Dynamo compiled for a compiled mode's model so far; None for the others
+    (fsdp2-eager, compute-only, the replays)."""
+    from fsdp_overlap_plugin.state import get_state
+
+    state = get_state(getattr(runner, "model", None)) if isinstance(runner, ModelRunner) else None
+    return state.dynamo_graphs if state is not None and state.config.compile else None
 
 
 # ------------------------------------------------------------------------------- memory

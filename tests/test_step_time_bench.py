@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import _bench
 import pytest
 
 step_time = _bench.load("step_time")
+dynamic_lengths = _bench.load("dynamic_lengths")
 ROOT = _bench.ROOT
 
 
@@ -216,3 +218,126 @@ def test_recv_first_exchange_equals_gloo_collectives(world):
 
     for result in run_ranks(_exchange_vs_gloo, world=world):
         assert result == {"direct": (True, True), "kernels": (True, True)}
+
+
+# ------------------------------------------------------------------ variable lengths (issue 45)
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--lengths", "64"], "--lengths: at least two lengths"),
+        (["--lengths", "64,64,96"], "the first two different"),
+        (["--lengths", "64,256"], "--lengths: at most 128"),
+        (["--lengths", "64,96", "--memory"], "--lengths: not with --memory"),
+        (["--lengths", "64,96", "--warmup", "1"], "--lengths needs --warmup 2"),
+    ],
+)
+def test_lengths_are_checked(extra, message):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--modes", "both", *extra],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and message in out.stderr
+
+
+def test_data_cycles_the_lengths_over_the_same_batches():
+    fixed = step_time._data(512, 128, 2, 5)
+    cut = step_time._data(512, 128, 2, 5, [64, 96])
+    assert [x.shape for x, _ in cut] == [(16, n) for n in (64, 96, 64, 96, 64)]
+    for (x, y), (fx, fy) in zip(cut, fixed):
+        n = x.shape[1]
+        assert x.equal(fx[:, :n]) and y.equal(fy[:, :n]) and x.is_contiguous()
+
+
+def test_summary_carries_compile_counts():
+    def rank(graphs):
+        modes = {
+            "fsdp2-eager": {"times": [1.0], "losses": [1.0], "peak_rss_mib": 1.0, "compiles": None},
+            "both": {"times": [0.5], "losses": [1.0], "peak_rss_mib": 1.0, "compiles_warm": 2, "compiles": graphs},
+        }
+        return {"modes": modes}
+
+    summary = step_time.summarize([rank(2), rank(3)], rate_bps=None)
+    assert summary["rows"]["both"]["compiles"] == [2, 3] and summary["rows"]["both"]["compiles_warm"] == [2, 2]
+    assert summary["rows"]["fsdp2-eager"]["compiles"] == [None, None]
+    step_time.print_table(summary, "header")  # formats the counts line
+
+
+@pytest.mark.slow
+def test_quick_run_at_two_lengths_compiles_twice(tmp_path):
+    """A loopback --quick run cycling 2 lengths: both modes ran every step at the same
+    lengths, `both` compiled a static and a dynamic graph in warm-up and nothing after,
+    and its losses agree with eager FSDP2's."""
+    out = tmp_path / "lengths.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "step_time.py"),
+            "--quick",
+            "--loopback",
+            "--modes",
+            "fsdp2-eager,both",
+            "--lengths",
+            "64,96",
+            "--json",
+            str(out),
+            "--timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=700,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Dynamo graphs per compiled mode r0/r1 (after warm-up -> after the timed steps): both 2/2 -> 2/2" in (
+        proc.stdout
+    )
+    rows = json.loads(out.read_text())["summary"]["rows"]
+    assert list(rows) == ["fsdp2-eager", "both"]
+    assert rows["both"]["compiles_warm"] == [2, 2] and rows["both"]["compiles"] == [2, 2]
+    assert rows["fsdp2-eager"]["compiles"] == [None, None]
+    for row in rows.values():
+        assert row["steps"] == 10 and row["lengths"] == [64, 96] * 5  # warm-up took steps 0 and 1
+    assert rows["both"]["max_loss_diff_vs_eager"] < 1e-4
+
+
+def test_dynamic_lengths_help_and_arguments():
+    text = _bench.help_text("dynamic_lengths")
+    assert "--quick" in text and "--length" in text and "--warm-lengths" in text
+    assert dynamic_lengths.default_warm_lengths(128) == [64, 96]
+    assert dynamic_lengths.default_warm_lengths(64) == [32, 48]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "dynamic_lengths.py"), "--length", "64", "--warm-lengths", "32,64"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "two different lengths, neither of them --length" in out.stderr
+
+
+def test_dynamic_lengths_summary():
+    def mode(times, losses, compiles):
+        return {
+            "times": times,
+            "rep_times": [times[:2], times[2:]],
+            "losses": losses,
+            "compiles": compiles,
+            "compile_steps_s": [30.0] * compiles,
+            "cache": [],
+            "recompiled_at_length": False,
+        }
+
+    model = {
+        "length": 128,
+        "warm_lengths": [64, 96],
+        "modes": {
+            "static": mode([1.0, 1.0, 2.0, 2.0], [3.0, 2.5, 2.0, 1.5], 1),
+            "dynamic": mode([1.1, 1.1, 2.2, 2.2], [3.0, 2.5, 2.0, 1.5001], 2),
+        },
+    }
+    summary = dynamic_lengths.summarize([{"models": {"gpt": model}}] * 2)["gpt"]
+    assert summary["ratio"] == pytest.approx(1.65 / 1.5)
+    assert summary["rep_ratios"] == pytest.approx([1.1, 1.1])
+    assert summary["pair_ratio"] == pytest.approx(1.1) and summary["min_ratio"] == pytest.approx(1.1)
+    assert summary["rows"]["dynamic"]["compiles"] == [2, 2] and summary["rows"]["static"]["compile_s"] == 30.0
+    assert summary["max_loss_diff"] == pytest.approx(1e-4)
+    dynamic_lengths.print_table({"gpt": summary})  # formats
