@@ -261,8 +261,10 @@ class OverlapConfig:
     """Whether sizes may vary between calls without a recompile, as torch.compile(dynamic=...):
     "auto" compiles the first call's sizes as constants and, at the first call whose sizes
     differ (a batch padded to another sequence length), once more with those sizes
-    symbolic, which then serves every length: two compiles in all; true compiles symbolic
-    sizes from the first call (one compile; sizes 0 and 1 still get their own); false
+    symbolic, which then serves every length: two compiles in all; true compiles every
+    input size symbolic from the first call (one compile, but the batch size becomes a
+    symbol too, which made that compile about twice as long as auto's two on the test
+    Llama; sizes 0 and 1 still get their own); false
     compiles every new size anew (Dynamo's recompile_limit, 8, then stops the run with
     RecompileLimitError). Buckets depend on parameter sizes only, so every length gets the
     same buckets and overlap. Each rank may pad its own batches to its own length."""

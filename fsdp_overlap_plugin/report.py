@@ -142,10 +142,10 @@ def reshard_total(graphs: list[dict]) -> dict:
 
 def checkpointing_total(state: Any) -> dict:
     """Activation checkpointing: the modules, the policy, and what the joint-graph pass
-    tagged over all joint graphs ({} when nothing is checkpointed)."""
+    tagged over the joint graphs that run now ({} when nothing is checkpointed)."""
     if not state.checkpointed:
         return {}
-    graphs = [g["checkpointing"] for g in state.reshard if g.get("checkpointing")]
+    graphs = [g["checkpointing"] for g in current(state.reshard, state.config.fullgraph) if g.get("checkpointing")]
     traced = list(dict.fromkeys(m for g in graphs for m in g["regions"]))
     return {
         "modules": list(state.checkpointed),
