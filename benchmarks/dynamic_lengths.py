@@ -39,10 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,46 +67,7 @@ def parse_lengths(text: str) -> list[int]:
 
 def launch(worker_args: list[str], out_dir: Path, timeout: float, env_extra: dict) -> list[dict]:
     """Two ranks on loopback; their JSON back, or SystemExit with the logs' tails."""
-    port = step_time._free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            GLOO_SOCKET_IFNAME="lo",
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            **env_extra,
-        )
-        cmd = [sys.executable, __file__, "--worker", "--out-dir", str(out_dir), *worker_args]
-        log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline, failed = time.time() + timeout, None
-    try:
-        while any(p.poll() is None for p, _ in procs):
-            if time.time() > deadline:
-                failed = f"timed out after {timeout:.0f} s"
-                break
-            if any(p.poll() not in (None, 0) for p, _ in procs):
-                failed = "a rank failed"
-                break
-            time.sleep(0.5)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            log.close()
-    if failed or any(p.returncode != 0 for p, _ in procs):
-        tails = "\n".join(f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text()[-3000:] for r in range(2))
-        raise SystemExit(f"dynamic_lengths {failed or 'failed'}:\n{tails}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return step_time.run_workers(__file__, worker_args, out_dir, timeout, False, env_extra, "dynamic_lengths")
 
 
 def summarize(results: list[dict]) -> dict:

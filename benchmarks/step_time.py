@@ -320,6 +320,21 @@ def launch_on_link(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> 
 
 
 def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dict]:
+    env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if "--memory" in args.worker_args else {}
+    return run_workers(__file__, args.worker_args, out_dir, args.timeout, use_netns, env)
+
+
+def run_workers(
+    script: str,
+    worker_args: list[str],
+    out_dir: Path,
+    timeout: float,
+    use_netns: bool = False,
+    env_extra: dict | None = None,
+    what: str = "benchmark",
+) -> list[dict]:
+    """``script --worker`` as ranks 0 and 1 (in the namespaces, or on loopback); their
+    ``rank<r>.json`` back, or SystemExit with the tails of their logs."""
     port = "29631" if use_netns else _free_port()  # loopback is shared with whatever else runs here
     procs = []
     for rank in range(2):
@@ -332,20 +347,19 @@ def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dic
             GLOO_SOCKET_IFNAME=VETH[rank] if use_netns else "lo",
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
+            **(env_extra or {}),
         )
-        if "--memory" in args.worker_args:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-        cmd = [sys.executable, __file__, "--worker", "--out-dir", str(out_dir), *args.worker_args]
+        cmd = [sys.executable, script, "--worker", "--out-dir", str(out_dir), *worker_args]
         if use_netns:
             cmd = ["ip", "netns", "exec", NETNS[rank], *cmd]
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.time() + args.timeout
+    deadline = time.time() + timeout
     failed = None
     try:
         while any(p.poll() is None for p, _ in procs):
             if time.time() > deadline:
-                failed = f"timed out after {args.timeout} s"
+                failed = f"timed out after {timeout:.0f} s"
                 break
             if any(p.poll() not in (None, 0) for p, _ in procs):
                 failed = "a rank failed"
@@ -362,7 +376,7 @@ def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dic
             log.close()
     if failed or any(p.returncode != 0 for p, _ in procs):
         tails = "\n".join(f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text()[-3000:] for r in range(2))
-        raise SystemExit(f"benchmark {failed or 'failed'}:\n{tails}")
+        raise SystemExit(f"{what} {failed or 'failed'}:\n{tails}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 

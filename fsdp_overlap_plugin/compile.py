@@ -464,19 +464,29 @@ def _reason_words(reason: str) -> str:
 
 
 def _check_same_graph(agreement: Any, digest: str, entries: list, index: int, mode: str) -> None:
+    _must_agree(
+        agreement,
+        "fingerprint",
+        digest,
+        entries,
+        mode,
+        f"fsdp-overlap: the ranks compiled different graphs (graph {index}): {{}}. Every rank must run the same "
+        "model code and config; ranks running different graphs would issue collectives that never match. "
+        "(rank_check: warn only warns; off skips this.)",
+    )
+
+
+def _must_agree(agreement: Any, name: str, digest: str, entries: list, mode: str, message: str) -> None:
+    """One store round comparing ``digest`` with rank 0's; on a difference raise
+    ``RankMismatchError`` (``rank_check: error``) or warn, with ``message`` naming it."""
     from .ranks import RankMismatchError
 
-    difference = agreement.same_graph("fingerprint", digest, entries)
+    difference = agreement.same_graph(name, digest, entries)
     if difference is None:
         return
-    message = (
-        f"fsdp-overlap: the ranks compiled different graphs (graph {index}): {difference}. Every "
-        "rank must run the same model code and config; ranks running different graphs "
-        "would issue collectives that never match. (rank_check: warn only warns; off skips this.)"
-    )
     if mode == "error":
-        raise RankMismatchError(message)
-    warnings.warn(message, stacklevel=3)
+        raise RankMismatchError(message.format(difference))
+    warnings.warn(message.format(difference), stacklevel=4)
 
 
 def _cache_counters() -> dict[str, int]:
@@ -536,19 +546,15 @@ def _check_same_collectives(agreement: Any, entries: list[list[str]], index: int
     the passes see carry each rank's local shard shapes, so a pass that decides on shapes
     could decide differently per rank: that is a bug in fsdp-overlap, stopped here at
     the first step instead of in a collective."""
-    from .ranks import RankMismatchError
-
-    digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
-    difference = agreement.same_graph("collectives", digest, entries)
-    if difference is None:
-        return
-    message = (
-        f"fsdp-overlap: the passes left different collectives on different ranks (graph {index}): {difference}. "
-        "This is a bug in fsdp-overlap; please report it with this message. (rank_check: warn only warns.)"
+    _must_agree(
+        agreement,
+        "collectives",
+        hashlib.sha256(json.dumps(entries).encode()).hexdigest(),
+        entries,
+        mode,
+        f"fsdp-overlap: the passes left different collectives on different ranks (graph {index}): {{}}. This is a "
+        "bug in fsdp-overlap; please report it with this message. (rank_check: warn only warns.)",
     )
-    if mode == "error":
-        raise RankMismatchError(message)
-    warnings.warn(message, stacklevel=3)
 
 
 # A peer's error is quoted up to this many characters (whole tracebacks would bury the message).

@@ -71,9 +71,10 @@ def _reference(kind: str, batches: list) -> list[float]:
     return losses
 
 
-def _train(rank: int, world: int, kind: str, backend: str, config: dict, batches: list | None = None) -> dict:
-    """SGD over ``batches`` (default: the 12 lengths), each rank a slice of the global batch
-    (a view at a nonzero storage offset on rank 1, as examples/gpt_demo.py takes it)."""
+def _train(rank: int, world: int, kind: str, backend: str, config: dict, own: bool = False) -> dict:
+    """SGD over the 12 lengths, each rank a slice of the global batch (a view at a nonzero
+    storage offset on rank 1, as examples/gpt_demo.py takes it); ``own``: over this rank's
+    own batches instead (``_own_batches``)."""
     import torch.distributed as dist
 
     from fsdp_overlap_plugin.state import get_state
@@ -84,8 +85,8 @@ def _train(rank: int, world: int, kind: str, backend: str, config: dict, batches
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per = BATCH // world
     losses = []
-    for x, y in batches if batches is not None else _batches(kind):
-        mine = slice(rank * per, (rank + 1) * per)
+    for x, y in _own_batches(rank) if own else _batches(kind):
+        mine = slice(None) if own else slice(rank * per, (rank + 1) * per)
         loss = _loss(kind, model, x[mine], y[mine])
         loss.backward()
         opt.step()
@@ -175,29 +176,12 @@ def test_repo_gpt_inductor_twelve_lengths():
 def _own_lengths(rank: int, world: int) -> dict:
     """Each rank pads its own batch: rank 0 cycles through the lengths, rank 1 keeps one
     (it never recompiles while rank 0 does, so no agreement round may wait for it)."""
-    import torch.distributed as dist
-
-    from fsdp_overlap_plugin.state import get_state
-
-    torch._dynamo.reset()
-    model = _model("llama")
-    fo.parallelize(model, backend="aot_eager", rank_check_timeout=60)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, _ in _own_batches(rank):
-        loss = _loss("llama", model, x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
-    return {"losses": losses, "compiles": get_state(model).dynamo_graphs}
+    return _train(rank, world, "llama", "aot_eager", {"rank_check_timeout": 60}, own=True)
 
 
 def _own_batches(rank: int) -> list:
     lengths = LENGTHS if rank == 0 else (24,) * len(LENGTHS)
-    return [(x[: BATCH // 2], y) for x, y in _batches("llama", lengths, seed=7 + rank)]
+    return [(x[: BATCH // 2], x[: BATCH // 2]) for x, _ in _batches("llama", lengths, seed=7 + rank)]
 
 
 @pytest.mark.slow
