@@ -228,18 +228,30 @@ def is_impure(target: Any) -> bool:
         return bool(impure(target, args=(), kwargs={}))
 
 
-def process_group_rank(group_name: Any) -> int | None:
-    """This process's rank in the process group registered under ``group_name`` (what a
-    functional collective names its group by), or None where no such group exists in
-    this process (a hand-built graph's made-up name, or no process group at all)."""
+def _resolved_group(group_name: Any) -> Any | None:
+    """The process group registered under ``group_name`` (what a functional collective
+    names its group by), or None where no such group exists in this process (a
+    hand-built graph's made-up name, or no process group at all)."""
     if not isinstance(group_name, str):
         return None
     try:
         from torch._C._distributed_c10d import _resolve_process_group
 
-        return int(_resolve_process_group(group_name).rank())
+        return _resolve_process_group(group_name)
     except (ImportError, RuntimeError, ValueError):
         return None
+
+
+def process_group_rank(group_name: Any) -> int | None:
+    """This process's rank in the process group named ``group_name``, or None (``_resolved_group``)."""
+    group = _resolved_group(group_name)
+    return None if group is None else int(group.rank())
+
+
+def process_group_size(group_name: Any) -> int | None:
+    """How many ranks the process group named ``group_name`` has, or None (``_resolved_group``)."""
+    group = _resolved_group(group_name)
+    return None if group is None else int(group.size())
 
 
 # --------------------------------------------------------------------------- AOT / functorch / dynamo

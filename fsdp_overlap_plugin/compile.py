@@ -520,7 +520,7 @@ _SIZED = ("all_gather", "reduce_scatter", "all_to_all")
 
 def _collective_entries(records: list[dict]) -> list[list[str]]:
     """What every rank's compiled graphs must share, in graph order: each collective's kind,
-    group and bytes (shard-group collectives: all-gathers, reduce-scatters and their
+    group size and bytes (shard-group collectives: all-gathers, reduce-scatters and their
     all-to-all form move padded, equal sizes on every rank; a replica all-reduce moves
     this rank's shard, whose size legitimately differs between shard positions), and each
     pass's decisions in a few numbers. Entries as ``ranks.first_difference`` reads them."""
@@ -530,8 +530,9 @@ def _collective_entries(records: list[dict]) -> list[list[str]]:
             if e["op"] in ("compute", "wait"):
                 continue
             words = f"{record_name(r)} graph: {e['op']}" + (f" of {e['bytes']} bytes" if e["op"] in _SIZED else "")
-            if e.get("group") is not None:
-                words += f" on group {e['group']}"
+            size = compat.process_group_size(e.get("group"))
+            if size is not None:  # a group's name differs between its instances (HSDP's shard groups)
+                words += f" on a group of {size} ranks"
             entries.append([words, "", words])
         for name, stats in r.get("passes", {}).items():
             words = f"{record_name(r)} graph: {summarize_pass(name, stats)}"

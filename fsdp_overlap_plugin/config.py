@@ -325,7 +325,7 @@ class OverlapConfig:
     """Before any rank runs a new graph, every rank compares it with rank 0's through the
     process group's store: a fingerprint of the graph (operations, dtypes, number of
     dimensions, plan; not sizes, which may differ when each rank pads its own batch) and the
-    collectives the passes left (kind, group, bytes, order, and the passes' decisions).
+    collectives the passes left (kind, group size, bytes, order, and the passes' decisions).
     "error" stops every rank on a mismatch, naming the first difference; "warn" only warns;
     "off" skips the check. A recompile that leaves collectives the ranks already agreed on
     (a new sequence length) is not compared again. Ranks running different graphs would
