@@ -61,10 +61,6 @@ def default_warm_lengths(length: int) -> list[int]:
     return [first, second]
 
 
-def parse_lengths(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def launch(worker_args: list[str], out_dir: Path, timeout: float, env_extra: dict) -> list[dict]:
     """Two ranks on loopback; their JSON back, or SystemExit with the logs' tails."""
     return step_time.run_workers(__file__, worker_args, out_dir, timeout, False, env_extra, "dynamic_lengths")
@@ -79,12 +75,8 @@ def summarize(results: list[dict]) -> dict:
         rows = {}
         for mode in MODES:
             data = r0["modes"][mode]
-            times = data["times"]
             rows[mode] = {
-                "median_s": statistics.median(times),
-                "min_s": min(times),
-                "max_s": max(times),
-                "steps": len(times),
+                **step_time.time_stats(data["times"]),
                 "rep_medians_s": [statistics.median(t) for t in data["rep_times"]],
                 "compiles": [res["models"][name]["modes"][mode]["compiles"] for res in results],
                 "compile_steps_s": data["compile_steps_s"],
@@ -168,7 +160,7 @@ def main() -> None:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)}")
-    warm = parse_lengths(args.warm_lengths) if args.warm_lengths else None
+    warm = step_time.parse_lengths(args.warm_lengths) if args.warm_lengths else None
     if warm is not None and (len(warm) != 2 or len(set(warm)) != 2 or args.length in warm):
         parser.error("--warm-lengths: two different lengths, neither of them --length")
     worker_args = ["--models", ",".join(models), "--steps", str(args.steps), "--reps", str(args.reps)]
@@ -255,7 +247,7 @@ def run_model(name: str, args: argparse.Namespace, world: int, log) -> dict:
 
     _, _, vocab, seq = build(name)
     length = args.length or seq
-    warm = parse_lengths(args.warm_lengths) if args.warm_lengths else default_warm_lengths(length)
+    warm = step_time.parse_lengths(args.warm_lengths) if args.warm_lengths else default_warm_lengths(length)
     if length > seq or max(warm) > seq:
         raise SystemExit(f"{name}: lengths up to {seq} (its positions)")
     timed = batches(length, args.reps * args.steps, vocab, world, seed=11)

@@ -238,6 +238,11 @@ def parse_rate(text: str) -> float:
     return float(text)
 
 
+def time_stats(times: list[float]) -> dict:
+    """Median, fastest and slowest step time, and how many steps."""
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "steps": len(times)}
+
+
 def parse_lengths(text: str) -> list[int]:
     """'64,96,128' -> [64, 96, 128]."""
     return [int(x) for x in text.split(",") if x.strip()]
@@ -385,12 +390,8 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
     modes = r0["modes"]
     rows = {}
     for mode, data in modes.items():
-        times = data["times"]
         rows[mode] = {
-            "median_s": statistics.median(times),
-            "min_s": min(times),
-            "max_s": max(times),
-            "steps": len(times),
+            **time_stats(data["times"]),
             "peak_rss_mib": [res["modes"][mode]["peak_rss_mib"] for res in results],  # per-step increase
             "losses": data.get("losses"),
             "lengths": data.get("lengths"),

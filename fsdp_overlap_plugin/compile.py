@@ -451,9 +451,14 @@ def _recompile_reason(state: OverlapState) -> str | None:
     Dynamo words it), or None for its first graph."""
     if state.dynamo_graphs <= 1:
         return None
+    return _latest_guard_failure(state) or "Dynamo did not say why"
+
+
+def _latest_guard_failure(state: OverlapState) -> str | None:
+    """The guard that failed in this call, in Dynamo's words, or None."""
     reasons = compat.guard_failures_since(state.guard_counts)
     # one line per cached graph, the most recent first: why the latest one did not fit
-    return _reason_words(reasons[0]) if reasons else "Dynamo did not say why"
+    return _reason_words(reasons[0]) if reasons else None
 
 
 def _reason_words(reason: str) -> str:
@@ -702,8 +707,7 @@ def recompile_limit_message(state: OverlapState) -> str:
     limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(
         torch._dynamo.config, "cache_size_limit", "?"
     )
-    latest = compat.guard_failures_since(state.guard_counts)
-    last = _reason_words(latest[0]) if latest else None
+    last = _latest_guard_failure(state)
     dynamic = state.config.dynamic
     fix = (
         "dynamic: true compiles one graph for every size from the first step"

@@ -9,7 +9,7 @@ per device type, not a measurement. Reads the schedules ``passes/events.py`` rec
 
 from __future__ import annotations
 
-from .records import KINDS
+from .records import KINDS, current
 
 __all__ = ["DEFAULT_RATES", "draw_timeline", "predicted", "simulate"]
 
@@ -68,16 +68,6 @@ def simulate(events: list[dict], *, world: int, flops: float, mem: float, link: 
     }
 
 
-def _running(report: dict) -> list[dict]:
-    graphs = report.get("graphs") or []
-    fullgraph = (report.get("config") or {}).get("fullgraph", True)
-    training = [r for r in graphs if not r.get("inference")]
-    if not fullgraph or not training:
-        return graphs
-    latest = max(r.get("dynamo_graph", 0) for r in training)
-    return [r for r in graphs if r.get("dynamo_graph", 0) == latest]
-
-
 def predicted(report: dict, rates: dict | None = None) -> dict:
     """Predicted total and exposed-communication seconds per kind of graph, before/after
     the passes: the sum over that kind's training graphs that run now (one, without graph
@@ -85,8 +75,9 @@ def predicted(report: dict, rates: dict | None = None) -> dict:
     rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
     keys = ("total_s", "exposed_comm_s", "comm_s", "compute_s")
     out: dict = {}
+    running = current(report.get("graphs") or [], (report.get("config") or {}).get("fullgraph", True))
     for kind in KINDS:
-        records = [r for r in _running(report) if r["graph"] == kind and not r.get("inference") and "schedule" in r]
+        records = [r for r in running if r["graph"] == kind and not r.get("inference") and "schedule" in r]
         if not records and (report.get(kind) or {}).get("schedule"):
             records = [report[kind]]  # a report written before per-graph records
         if not records:

@@ -26,7 +26,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KINDS", "SUMMARY_STATS", "load_graph_records", "record_name", "save_record", "store_dir", "summarize_pass"]
+__all__ = [
+    "KINDS",
+    "SUMMARY_STATS",
+    "current",
+    "load_graph_records",
+    "record_name",
+    "save_record",
+    "store_dir",
+    "summarize_pass",
+]
 
 _NAMES = ("joint", "forward", "backward", "inference")
 #: The kinds of training graph (an inference graph is a forward with ``inference: true``).
@@ -74,6 +83,20 @@ def summarize_pass(name: str, stats: Any) -> str:
         if key in stats and not (key.startswith("unbucketed") and not stats[key])
     ]
     return f"{name}({', '.join(shown)})" if shown else name
+
+
+def current(records: list[dict], fullgraph: bool) -> list[dict]:
+    """The training records of the graphs that run now, and every inference record.
+
+    With ``fullgraph`` each Dynamo graph is the whole forward, and a later one was compiled
+    because an earlier one's guards failed (a new sequence length): the latest replaces
+    the earlier ones, so the latest is what runs, not their sum. With graph breaks the
+    graphs are pieces of one forward, all of which run."""
+    training = [r for r in records if not r.get("inference")]
+    if not fullgraph or not training:
+        return list(records)
+    latest = max(r.get("dynamo_graph", 0) for r in training)
+    return [r for r in records if r.get("inference") or r.get("dynamo_graph", 0) == latest]
 
 
 def save_record(uuid: str, record: dict, *, rank: int = 0) -> None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from .config import format_bytes, prefetch_words
 from .costmodel import predicted
 from .exchange import exchanges_run
-from .records import KINDS, SUMMARY_STATS, record_name, summarize_pass
+from .records import KINDS, SUMMARY_STATS, current, record_name, summarize_pass
 from .state import get_state
 
 __all__ = [
@@ -154,20 +154,6 @@ def checkpointing_total(state: Any) -> dict:
         "recompute": sum(g["recompute"] for g in graphs),
         "saved_by_policy": sum(g["saved_by_policy"] for g in graphs),
     }
-
-
-def current(records: list[dict], fullgraph: bool) -> list[dict]:
-    """The training records of the graphs that run now, and every inference record.
-
-    With ``fullgraph`` each Dynamo graph is the whole forward, and a later one was compiled
-    because an earlier one's guards failed (a new sequence length): the latest replaces
-    the earlier ones, so the latest is what runs, not their sum. With graph breaks the
-    graphs are pieces of one forward, all of which run."""
-    training = [r for r in records if not r.get("inference")]
-    if not fullgraph or not training:
-        return list(records)
-    latest = max(r.get("dynamo_graph", 0) for r in training)
-    return [r for r in records if r.get("inference") or r.get("dynamo_graph", 0) == latest]
 
 
 def _labelled(records: list[dict], fullgraph: bool = True) -> list[dict]:
