@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import subprocess
 import sys
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
-from _dist import NativeCrash, RerunAfterCrash, count_rerun, raise_on_launcher_crash
+from _dist import raise_on_launcher_crash
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_train.py"
@@ -32,44 +29,29 @@ def launch_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     # PYTHONFAULTHANDLER: a rank killed in native code writes every thread's Python stack
-    # to stderr, which _launch reads to decide whether the crash may be rerun
+    # to stderr, which _launch shows when the crash fails the test
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     for name in ("ACCELERATE_USE_CPU", "FSDP_OVERLAP_CONFIG", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
         env.pop(name, None)
     return env
 
 
-def _launch(
-    cmd: list[str], cwd: Path, timeout: float, crash_reruns: int, before_rerun: Callable[[], None] | None
-) -> subprocess.CompletedProcess:
-    """``cmd`` (a command that starts ranks through torch's elastic launcher) with the
-    native-crash policy of ``_dist.run_ranks``: when it fails because a rank was killed by
-    a signal in native code while running no fsdp_overlap_plugin code (gloo's teardown
-    aborts, docs/troubleshooting.md), it runs again, at most ``crash_reruns`` times, each
-    with a warning showing the crash and counted in the rerun log; ``before_rerun`` first
-    removes what the crashed run left that would change the next (a compile cache the
-    test expects cold). A crash on a thread running the package's code raises at once;
-    any other failure is returned for the test to show."""
-    what = f"{Path(cmd[0]).name} {cmd[1]}"  # e.g. "accelerate launch"
-    for attempt in itertools.count():
-        proc = subprocess.run(
-            cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False
-        )
-        if proc.returncode == 0:
-            return proc
+def _launch(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` (a command that starts ranks through torch's elastic launcher), run once,
+    with the native-crash policy of ``_dist.run_ranks``: when it fails because a rank was
+    killed by a signal in native code, the test fails at once with faulthandler's stacks
+    (``_dist.raise_on_launcher_crash``: ``NativeCrash``, or its own ``AssertionError``
+    when the crashing thread ran fsdp_overlap_plugin code), counted, never rerun. Any
+    other failure is returned for the test to show."""
+    proc = subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
         text = output(proc)
-        try:
-            raise_on_launcher_crash(
-                text, f"{' '.join(cmd)} failed ({proc.returncode}); its output ends:\n{text[-6000:]}"
-            )
-        except NativeCrash as crash:
-            if attempt < crash_reruns:
-                count_rerun(what)
-                warnings.warn(f"rerunning {what} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=3)
-                if before_rerun is not None:
-                    before_rerun()
-                continue
-        return proc
+        raise_on_launcher_crash(
+            text,
+            f"{' '.join(cmd)} failed ({proc.returncode}); its output ends:\n{text[-6000:]}",
+            what=" ".join([Path(cmd[0]).name, *cmd[1:2]]),  # e.g. "accelerate launch"
+        )
+    return proc
 
 
 def accelerate_launch(
@@ -77,12 +59,10 @@ def accelerate_launch(
     *script_args: str,
     script: Path = EXAMPLE,
     timeout: float = 600,
-    crash_reruns: int = 1,
-    before_rerun: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file CONFIG --num_processes 2 SCRIPT ARGS`` (by default
-    examples/accelerate_train.py), run from the repository root as a user would; a run
-    that a native crash outside the package's code failed is repeated (``_launch``)."""
+    examples/accelerate_train.py), run from the repository root as a user would, once; a
+    native crash of a rank fails the test (``_launch``)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [
         str(accelerate),
@@ -93,16 +73,15 @@ def accelerate_launch(
         "2",
         str(script.relative_to(ROOT)),
     ]
-    return _launch([*cmd, *script_args], ROOT, timeout, crash_reruns, before_rerun)
+    return _launch([*cmd, *script_args], ROOT, timeout)
 
 
-def fsdp_overlap(
-    *argv: str, cwd: Path = ROOT, timeout: float = 600, crash_reruns: int = 1
-) -> subprocess.CompletedProcess:
+def fsdp_overlap(*argv: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
     """The ``fsdp-overlap`` console script with ``argv``, from ``cwd``, as a user would run
-    it; ``fsdp-overlap launch`` gets ``accelerate_launch``'s native-crash rerun."""
+    it; a native crash of a rank that ``fsdp-overlap launch`` started fails the test at
+    once (``_launch``)."""
     command = Path(sys.executable).with_name("fsdp-overlap")
-    return _launch([str(command), *argv], cwd, timeout, crash_reruns, None)
+    return _launch([str(command), *argv], cwd, timeout)
 
 
 def output(proc: subprocess.CompletedProcess) -> str:

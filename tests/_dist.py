@@ -2,9 +2,12 @@
 
 Each rank is a spawned process with one intra-op thread (the CI machine has two
 cores), a TCP store on a free loopback port, and a timeout so a hang fails the test
-instead of the CI job. A rank that dies in native code is named with its Python
-stacks; the run is repeated once with a warning, and counted, unless the crashing
-thread was running this package's code (see ``run_ranks``).
+instead of the CI job. A rank that dies in native code (a signal: SIGSEGV, SIGABRT,
+...) is named with faulthandler's Python stacks of every thread, and the test fails at
+once: a native crash is never rerun. Each one is counted (``count_crash``), for the
+terminal summary and .ci/run to print; a crash on a thread that was running this
+package's code gets a message of its own (``fail_if_package_crashed``). See
+``run_ranks``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import socket
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -37,14 +39,35 @@ NATIVE_CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, 
 
 
 class NativeCrash(AssertionError):
-    """A rank died by a signal, in native code, and could report nothing itself."""
+    """A rank died by a signal, in native code, and could report nothing itself. It
+    fails the test; it is never rerun."""
 
 
-# Every rerun after a native crash in this process, as "test id (function)"; the
-# terminal summary (conftest.py) prints them. Where RERUN_LOG_ENV names a file, each
-# is also appended there, for .ci/run to print after the whole suite.
-reruns: list[str] = []
-RERUN_LOG_ENV = "FSDP_OVERLAP_RERUN_LOG"
+# What every native-crash failure says after its stacks: how to chase one down.
+NEVER_RERUN = (
+    "A native crash is never rerun: it fails the test at once, and is counted in the "
+    '"native crashes" line of the summary. To find its cause, run benchmarks/stress.py, '
+    "which counts native deaths per config variant over many fresh runs (--malloc-check, "
+    "--perturb N, --valgrind, --cores keep evidence of heap corruption and gdb backtraces); "
+    "see docs/troubleshooting.md."
+)
+
+# Every native crash that failed a run in this process, as "test id (what)"; the
+# terminal summary (conftest.py) prints them. Where CRASH_LOG_ENV names a file, each is
+# also appended there, for .ci/run to print (and fail on) after the whole suite.
+crashes: list[str] = []
+CRASH_LOG_ENV = "FSDP_OVERLAP_CRASH_LOG"
+
+
+def count_crash(what: Callable | str) -> None:
+    """Count one native crash of ``what`` (a function, or words such as "accelerate
+    launch") in the current test: in ``crashes``, and in the file CRASH_LOG_ENV names."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0] or "(not in a test)"
+    entry = f"{test} ({what if isinstance(what, str) else what.__name__})"
+    crashes.append(entry)
+    if path := os.environ.get(CRASH_LOG_ENV):
+        with open(path, "a") as f:
+            f.write(entry + "\n")
 
 
 def _read(path: str) -> str:
@@ -107,10 +130,11 @@ def package_frames(frames: list[str], package_dir: str | None = None) -> list[st
 
 
 def fail_if_package_crashed(crash_logs: dict[str, str], failure: str, package_dir: str | None = None) -> None:
-    """A crash on a thread that was running our code is ours to fix, never rerun: raise
+    """A crash on a thread that was running our code is ours to fix: raise
     ``AssertionError`` naming each such crash (``crash_logs`` maps a name to a
     faulthandler file's text) with the crashing thread's stack, then ``failure``.
-    ``package_dir``: the copy of the package the processes imported, if not this one."""
+    ``package_dir``: the copy of the package the processes imported, if not this one.
+    Counting the crash is the caller's (``_raise_crash``)."""
     ours = {}
     for name, text in crash_logs.items():
         stack = crashing_thread_stack(text)
@@ -127,19 +151,29 @@ def fail_if_package_crashed(crash_logs: dict[str, str], failure: str, package_di
         )
 
 
-def raise_on_native_crash(crash_logs: dict[str, str], failure: str, package_dir: str | None = None) -> None:
+def _raise_crash(what: Callable | str, crash_logs: dict[str, str], crash: NativeCrash, package_dir: str | None) -> None:
+    """Count one native crash of ``what``, then raise: the package-code ``AssertionError``
+    when a crashing thread in ``crash_logs`` ran the package's code, else ``crash``."""
+    count_crash(what)
+    fail_if_package_crashed(crash_logs, f"{crash}", package_dir)
+    raise crash
+
+
+def raise_on_native_crash(
+    crash_logs: dict[str, str], failure: str, package_dir: str | None = None, *, what: str = "torchrun"
+) -> None:
     """The policy of ``run_ranks`` for processes started some other way (torchrun), each
     with a faulthandler file: ``crash_logs`` maps a file's name to its text, empty where
     the process hit no fatal signal (a SIGKILL writes nothing). Returns when every log is
-    empty; raises ``AssertionError`` (never rerun) when a crashing thread ran the
-    package's code (``fail_if_package_crashed``), else ``NativeCrash`` (the caller may
-    rerun)."""
+    empty; else counts the crash (``count_crash``) and raises ``AssertionError`` when a
+    crashing thread ran the package's code (``fail_if_package_crashed``), else
+    ``NativeCrash``. Neither is to be rerun. ``what``: the run, as ``count_crash`` names it."""
     logs = {name: text for name, text in crash_logs.items() if text.strip()}
     if not logs:
         return
     report = "".join(f"--- {name} ---\n{text[-4000:]}\n" for name, text in logs.items()) + failure
-    fail_if_package_crashed(logs, report, package_dir)
-    raise NativeCrash(f"a rank crashed in native code (faulthandler's stacks):\n{report}")
+    crash = NativeCrash(f"a rank crashed in native code (faulthandler's stacks):\n{report}\n{NEVER_RERUN}")
+    _raise_crash(what, logs, crash, package_dir)
 
 
 # One failure in the summary a torch elastic launcher (torchrun, ``accelerate launch``)
@@ -165,21 +199,23 @@ def faulthandler_dumps(text: str) -> list[str]:
     return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
 
 
-def raise_on_launcher_crash(text: str, failure: str, package_dir: str | None = None) -> None:
+def raise_on_launcher_crash(text: str, failure: str, package_dir: str | None = None, *, what: str = "launcher") -> None:
     """The policy of ``run_ranks`` for a launcher command that failed (``text``: its
     output, the ranks run with PYTHONFAULTHANDLER=1). Returns when its failure summary
-    names no rank killed by a native signal (an exception, a bad config, a timeout:
-    never rerun); raises ``AssertionError`` when a faulthandler dump's crashing thread
-    ran the package's code; else ``NativeCrash`` (the caller may rerun). A crash with no
-    dump (one at interpreter exit, after faulthandler is disabled) is a NativeCrash."""
+    names no rank killed by a native signal (an exception, a bad config, a timeout: for
+    the test to show); else counts the crash (``count_crash``) and raises
+    ``AssertionError`` when a faulthandler dump's crashing thread ran the package's
+    code, else ``NativeCrash``. A crash with no dump (one at interpreter exit, after
+    faulthandler is disabled) is a NativeCrash. Neither is to be rerun. ``what``: the
+    command, as ``count_crash`` names it."""
     crashed = launcher_native_crashes(text)
     if not crashed:
         return
     dumps = {f"faulthandler dump {i + 1}": dump for i, dump in enumerate(faulthandler_dumps(text))}
-    fail_if_package_crashed(dumps, failure, package_dir)
     ranks = ", ".join(f"rank {rank} by {name}" for rank, name in sorted(crashed.items()))
     shown = "".join(f"--- {name} ---\n{dump[-4000:]}\n" for name, dump in dumps.items()) or "(no faulthandler dump)\n"
-    raise NativeCrash(f"the launcher reports {ranks} in native code:\n{shown}{failure}")
+    crash = NativeCrash(f"the launcher reports {ranks} in native code:\n{shown}{failure}\n{NEVER_RERUN}")
+    _raise_crash(what, dumps, crash, package_dir)
 
 
 def _worker(
@@ -265,6 +301,19 @@ def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | 
                 if p.is_alive():
                     p.kill()  # shown as "stopped by the test" below
                     p.join()
+        # a rank that reported its result and then died by a signal (in
+        # destroy_process_group, or at exit: "terminate called without an active
+        # exception") crashed all the same
+        late = [r for r in reported if procs[r].exitcode is not None and -procs[r].exitcode in NATIVE_CRASHES]
+        if late and not errors:
+            crash_logs = {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in late}
+            shown = "\n".join(
+                f"--- rank {r} ---\nreported its result, then was "
+                f"{_died(procs[r].exitcode, os.path.join(crash_dir, f'rank{r}.txt'))}"
+                for r in late
+            )
+            crash = NativeCrash(f"a rank died in native code after its last step (not rerun):\n{shown}\n{NEVER_RERUN}")
+            _raise_crash(fn, crash_logs, crash, None)
         if errors:
             # a rank that died in native code reports nothing itself, and its peers only
             # see "connection reset by peer": name it and show where it was
@@ -274,57 +323,33 @@ def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | 
                 for r, code in silent.items()
             ]
             crashed = [r for r, code in silent.items() if code is not None and -code in NATIVE_CRASHES]
-            crash_logs = {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in crashed}
-            fail_if_package_crashed(crash_logs, "\n".join(errors))
-            raise (NativeCrash if crashed else AssertionError)("a rank failed:\n" + "\n".join(errors))
+            if crashed:
+                crash_logs = {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in crashed}
+                names = ", ".join(f"rank {r}" for r in crashed)
+                crash = NativeCrash(
+                    f"{names} died in native code (not rerun):\n" + "\n".join(errors) + f"\n{NEVER_RERUN}"
+                )
+                _raise_crash(fn, crash_logs, crash, None)
+            raise AssertionError("a rank failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world)]
 
 
-def run_ranks(
-    fn: Callable, *args: Any, world: int = 2, timeout: float = 600, env: dict | None = None, crash_reruns: int = 1
-) -> list[Any]:
-    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each in its own process.
+def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 600, env: dict | None = None) -> list[Any]:
+    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each in its own process,
+    run once.
 
     A failure raises ``AssertionError`` with every rank's traceback, and for a rank that
-    died silently, how it ended. Only when a rank was killed by a signal in native code
-    (gloo's worker threads in torch 2.13 crash rarely, see docs/troubleshooting.md) is
-    the whole run repeated, at most ``crash_reruns`` times, each with a warning that
-    shows the crash and counted in ``reruns``: an assertion, an exception or a hang is
-    never rerun, nor a crash whose crashing thread's Python stack (faulthandler's
-    "Current thread" block) names a frame of fsdp_overlap_plugin. Arguments that name a
-    directory are working directories: a rerun gets fresh, empty ones.
+    died silently, how it ended. A rank killed by a signal in native code (SIGSEGV,
+    SIGABRT, ...; gloo's worker threads in torch 2.13 crashed rarely, see
+    docs/troubleshooting.md) raises ``NativeCrash`` at once, with faulthandler's Python
+    stacks of every thread of that rank, and is counted (``count_crash``): it is never
+    rerun, so a rare crash shows up as a failure, not as a pass after a second try. When
+    the crashing thread's stack (faulthandler's "Current thread" block) names a frame of
+    fsdp_overlap_plugin, the failure is ``fail_if_package_crashed``'s ``AssertionError``
+    instead, which puts that stack first. To chase a native crash, run
+    benchmarks/stress.py (``NEVER_RERUN``).
     """
-    for _ in range(crash_reruns):
-        try:
-            return _attempt(fn, args, world, timeout, env)
-        except NativeCrash as crash:
-            count_rerun(fn)
-            warnings.warn(f"rerunning {fn.__name__} after a native crash:\n{crash}", RerunAfterCrash, stacklevel=2)
-            args = tuple(_fresh_if_directory(a) for a in args)
     return _attempt(fn, args, world, timeout, env)
-
-
-def count_rerun(fn: Callable | str) -> None:
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0] or "(not in a test)"
-    entry = f"{test} ({fn if isinstance(fn, str) else fn.__name__})"
-    reruns.append(entry)
-    if path := os.environ.get(RERUN_LOG_ENV):
-        with open(path, "a") as f:
-            f.write(entry + "\n")
-
-
-def _fresh_if_directory(arg: Any) -> Any:
-    """A rerun must not see what the crashed run left behind: an argument naming an
-    existing directory (a test's working directory) becomes a new, empty sibling."""
-    if isinstance(arg, str) and os.path.isdir(arg):
-        return tempfile.mkdtemp(
-            prefix=os.path.basename(arg.rstrip("/")) + "-rerun-", dir=os.path.dirname(arg.rstrip("/"))
-        )
-    return arg
-
-
-class RerunAfterCrash(UserWarning):
-    """Shown in pytest's warnings summary whenever a run was repeated after a crash."""
 
 
 def _isolated(fn: Callable, args: tuple, results: Any) -> None:

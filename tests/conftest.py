@@ -17,10 +17,11 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many multi-rank runs were repeated after a native crash (tests/_dist.py), by
-    test: a rerun that passed is still a crash someone should look at."""
+    """How many runs a rank's native crash failed (tests/_dist.py: never rerun), by test:
+    each is a failed test, and a crash someone must find the cause of."""
     import _dist
 
-    terminalreporter.write_line(f"native-crash reruns: {len(_dist.reruns)}", yellow=bool(_dist.reruns))
-    for entry in _dist.reruns:
-        terminalreporter.write_line(f"  {entry}")
+    crashes = _dist.crashes
+    terminalreporter.write_line(f"native crashes: {len(crashes)}", red=bool(crashes), bold=bool(crashes))
+    for entry in crashes:
+        terminalreporter.write_line(f"  {entry}", red=True)

@@ -135,7 +135,7 @@ def test_fact_plugin_keys_never_reach_the_workers():
     env = prepare_multi_gpu_env(args)
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
     # what the launcher adds (the environment it copies may hold variables of its own, such
-    # as .ci/run's FSDP_OVERLAP_RERUN_LOG)
+    # as .ci/run's FSDP_OVERLAP_CRASH_LOG)
     added = {k: v for k, v in env.items() if os.environ.get(k) != v}
     leaked = {k: v for k, v in added.items() if "OVERLAP" in k.upper() or "overlap.yaml" in v}
     assert leaked == {}  # neither the keys nor the file's path

@@ -132,7 +132,7 @@ def test_saving_on_the_main_process_only_stops_within_60_s_naming_the_fix(tmp_pa
     )
     start = time.perf_counter()
     script = ROOT / "tests" / "fixtures" / "export_hang.py"
-    proc = accelerate_launch(yaml_path, str(tmp_path / "out"), script=script, timeout=120, crash_reruns=0)
+    proc = accelerate_launch(yaml_path, str(tmp_path / "out"), script=script, timeout=120)
     seconds = time.perf_counter() - start
     text = output(proc)
     assert proc.returncode != 0 and seconds < 60, (seconds, text[-3000:])
