@@ -11,8 +11,10 @@ decisions on a CPU-only machine.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import time
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -29,6 +31,7 @@ __all__ = [
     "local_rank",
     "npu_module",
     "reduce_scatter_choice",
+    "settle_gloo_workers_at_exit",
 ]
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -211,3 +214,32 @@ def init_process_group(backend: str | None = None, **kwargs) -> None:
         )
         kwargs.update(store=dist.PrefixStore(f"fsdp_overlap/attempt_{restart}", store), rank=rank, world_size=world)
     dist.init_process_group(backend, **kwargs)
+
+
+_SETTLE_HOOK: list[bool] = []  # the exit hook, once per process
+
+
+def settle_gloo_workers_at_exit() -> None:
+    """Register, once per process, an exit hook that lets gloo's worker threads finish
+    releasing their last works before the interpreter finalizes.
+
+    A torch bug (seen on 2.13, reproduced with torch's own ``fully_shard`` and no
+    fsdp-overlap code, docs/troubleshooting.md): a gloo worker thread
+    (``ProcessGroupGloo::runLoop``) drops its reference to a finished work after the
+    caller's ``wait()`` has returned. The work's tensors then release their Python
+    objects, which needs the GIL. When the main thread keeps the GIL from that wait until
+    the interpreter starts finalizing, CPython ends the worker inside ``take_gil``
+    (``PyThread_exit_thread``), the unwind crosses the work's ``noexcept`` destructor, and
+    the process aborts after its last step: "terminate called without an active
+    exception", SIGABRT, a non-zero exit code for the launcher. The hook runs at exit,
+    before finalization, and sleeps a few milliseconds, releasing the GIL, so that any
+    worker waiting for it takes it first.
+    """
+    if not _SETTLE_HOOK:
+        _SETTLE_HOOK.append(True)
+        atexit.register(_let_gloo_workers_finish)
+
+
+def _let_gloo_workers_finish() -> None:
+    for _ in range(5):
+        time.sleep(0.002)  # each sleep releases the GIL to a thread waiting for it

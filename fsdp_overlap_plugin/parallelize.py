@@ -77,6 +77,8 @@ def parallelize(
     elif mesh.ndim not in (1, 2):
         raise OverlapConfigError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D.")
     device_type = mesh.device_type
+    if accelerators.backend_for(device_type) == "gloo":
+        accelerators.settle_gloo_workers_at_exit()  # a torch bug at exit (its docstring)
     if device_type != "cpu" and not _on_meta(model):
         model.to(accelerators.device_for_rank(device_type))
     entries = parameter_entries(model, plan)

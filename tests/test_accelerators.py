@@ -50,3 +50,63 @@ def test_npu_selects_hccl_and_device_per_local_rank():
     result = run_isolated(_npu_decisions)
     assert result["chosen"] == ("npu", "hccl", "npu:1", "npu:1")  # local rank 5 % 4 devices
     assert result["without_devices"] == "cpu"
+
+
+def _exit_hooks_after_parallelize() -> tuple[int, int, int]:
+    """atexit callbacks: before, after the first gloo parallelize, after a second one
+    and a direct call (a fresh process: atexit is process-wide)."""
+    import atexit
+    import os
+
+    import torch.distributed as dist
+
+    from fsdp_overlap_plugin import parallelize
+    from fsdp_overlap_plugin.models import gpt_small
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    before = atexit._ncallbacks()
+    parallelize(gpt_small(n_layer=1), compile=False)
+    first = atexit._ncallbacks()
+    parallelize(gpt_small(n_layer=1), compile=False)
+    accelerators.settle_gloo_workers_at_exit()
+    again = atexit._ncallbacks()
+    dist.destroy_process_group()
+    return before, first, again
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gloo_parallelize_registers_the_exit_hook_once():
+    """The hook that lets gloo's worker threads take the GIL before the interpreter
+    finalizes (a torch abort at exit, docs/troubleshooting.md): one per process."""
+    before, first, again = run_isolated(_exit_hooks_after_parallelize)
+    assert first == before + 1 and again == first
+
+
+def test_the_exit_hook_lets_a_thread_waiting_for_the_gil_run():
+    """While the hook runs, the main thread gives up the GIL: a thread that needs it gets
+    it (the gloo worker's case: releasing a finished work's tensors)."""
+    import threading
+    import time
+
+    ran = threading.Event()
+    started = threading.Event()
+
+    def worker() -> None:
+        started.set()
+        time.sleep(0.001)
+        ran.set()  # Python code: needs the GIL
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    started.wait()
+    accelerators._let_gloo_workers_finish()
+    assert ran.is_set()
+    thread.join()
