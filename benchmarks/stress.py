@@ -230,7 +230,7 @@ _ACCESS = re.compile(r"^==\d+== (Invalid (?:read|write|free)|Mismatched free|Sou
 
 
 def _memcheck_errors(log: Path) -> list[str]:
-    """Each access error in a memcheck log (its first 16 lines), except those raised inside
+    """Each access error in a memcheck log (up to 16 lines of it), except those raised inside
     the dynamic loader (``dl-*.c``: its SSE string compares read past short blocks)."""
     if not log.exists():
         return []
@@ -238,7 +238,11 @@ def _memcheck_errors(log: Path) -> list[str]:
     lines = log.read_text(errors="replace").splitlines()
     for i, line in enumerate(lines):
         if _ACCESS.match(line):
-            block = lines[i : i + 16]
+            block = [line]
+            for nxt in lines[i + 1 : i + 16]:
+                if re.match(r"^==\d+== ?$", nxt):
+                    break  # memcheck ends each report with an empty line
+                block.append(nxt)
             stack = [f for f in block[1:] if " at 0x" in f or " by 0x" in f][:4]
             if stack and all("dl-" in f or "ld-linux" in f or "strcmp" in f for f in stack):
                 continue
