@@ -237,6 +237,11 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # the ranks of tests that never call parallelize (which registers it) get the plugin's
+    # exit hook too: torch's gloo abort at exit is not what those tests test
+    from fsdp_overlap_plugin.accelerators import settle_gloo_workers_at_exit
+
+    settle_gloo_workers_at_exit()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
         value = fn(rank, world, *args)
