@@ -25,9 +25,11 @@ Raising the odds of catching a heap corruption where it happens, not later:
 * ``--perturb N``: glibc fills every freed block with byte ``N`` and every new one with
   its complement (``glibc.malloc.perturb``), so a read of freed memory sees garbage;
 * ``--valgrind``: every rank under valgrind's memcheck, Python objects allocated with
-  malloc (``PYTHONMALLOC=malloc``) so that memcheck sees them, and scalar kernels
-  (``ATEN_CPU_CAPABILITY=default``: valgrind cannot translate inductor's large AVX
-  kernels). A first run of each variant outside valgrind fills inductor's cache, so that
+  malloc (``PYTHONMALLOC=malloc``) so that memcheck sees them, and scalar kernels for a
+  baseline x86-64 (``ATEN_CPU_CAPABILITY=default``, ``TORCHINDUCTOR_CPP_MARCH=x86-64-v2``:
+  valgrind could not translate inductor's large AVX kernels, and valgrind 3.19 has no
+  AVX-512, which ``g++ -march=native`` emits; with both, a 2-step run has not yet been
+  seen to finish here). A first run of each variant outside valgrind fills inductor's cache, so that
   the memcheck runs load compiled code (slow all the same: use ``--steps 2``). Its logs are kept for every run; an invalid read, write or
   free it reports (outside the dynamic loader, whose string compares read past short
   blocks) counts the run as ``native`` and is printed.
@@ -370,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     env = _malloc_env(args.malloc_check, args.perturb)
     if args.valgrind:
         # valgrind's translator gives up on inductor's large AVX kernels ("VEX temporary
-        # storage exhausted"): scalar kernels, for ATen and for inductor's generated code
+        # storage exhausted"): scalar kernels, for ATen and for inductor's generated code;
+        # and valgrind 3.19 has no AVX-512, which g++ -march=native emits on its own
+        # ("unrecognised instruction" in the first kernel): a baseline x86-64 target
         env["ATEN_CPU_CAPABILITY"] = "default"
+        env["TORCHINDUCTOR_CPP_MARCH"] = "x86-64-v2"
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
     if not env["TORCHINDUCTOR_CACHE_DIR"]:
         del env["TORCHINDUCTOR_CACHE_DIR"]
