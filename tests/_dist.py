@@ -257,7 +257,26 @@ def _worker(
             dist.destroy_process_group()
 
 
-def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | None) -> list[Any]:
+def _rank_logs(crash_dir: str, ranks: list[int]) -> dict[str, str]:
+    """The faulthandler file of each of ``ranks``, by "rank r"."""
+    return {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in ranks}
+
+
+def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 600, env: dict | None = None) -> list[Any]:
+    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each in its own process,
+    run once.
+
+    A failure raises ``AssertionError`` with every rank's traceback, and for a rank that
+    died silently, how it ended. A rank killed by a signal in native code (SIGSEGV,
+    SIGABRT, ...; gloo's worker threads in torch 2.13 crashed rarely, see
+    docs/troubleshooting.md) raises ``NativeCrash`` at once, with faulthandler's Python
+    stacks of every thread of that rank, and is counted (``count_crash``): it is never
+    rerun, so a rare crash shows up as a failure, not as a pass after a second try. When
+    the crashing thread's stack (faulthandler's "Current thread" block) names a frame of
+    fsdp_overlap_plugin, the failure is ``fail_if_package_crashed``'s ``AssertionError``
+    instead, which puts that stack first. To chase a native crash, run
+    benchmarks/stress.py (``NEVER_RERUN``).
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -311,7 +330,7 @@ def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | 
         # exception") crashed all the same
         late = [r for r in reported if procs[r].exitcode is not None and -procs[r].exitcode in NATIVE_CRASHES]
         if late and not errors:
-            crash_logs = {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in late}
+            crash_logs = _rank_logs(crash_dir, late)
             shown = "\n".join(
                 f"--- rank {r} ---\nreported its result, then was "
                 f"{_died(procs[r].exitcode, os.path.join(crash_dir, f'rank{r}.txt'))}"
@@ -329,7 +348,7 @@ def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | 
             ]
             crashed = [r for r, code in silent.items() if code is not None and -code in NATIVE_CRASHES]
             if crashed:
-                crash_logs = {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in crashed}
+                crash_logs = _rank_logs(crash_dir, crashed)
                 names = ", ".join(f"rank {r}" for r in crashed)
                 crash = NativeCrash(
                     f"{names} died in native code (not rerun):\n" + "\n".join(errors) + f"\n{NEVER_RERUN}"
@@ -337,24 +356,6 @@ def _attempt(fn: Callable, args: tuple, world: int, timeout: float, env: dict | 
                 _raise_crash(fn, crash_logs, crash, None)
             raise AssertionError("a rank failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world)]
-
-
-def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 600, env: dict | None = None) -> list[Any]:
-    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]``, each in its own process,
-    run once.
-
-    A failure raises ``AssertionError`` with every rank's traceback, and for a rank that
-    died silently, how it ended. A rank killed by a signal in native code (SIGSEGV,
-    SIGABRT, ...; gloo's worker threads in torch 2.13 crashed rarely, see
-    docs/troubleshooting.md) raises ``NativeCrash`` at once, with faulthandler's Python
-    stacks of every thread of that rank, and is counted (``count_crash``): it is never
-    rerun, so a rare crash shows up as a failure, not as a pass after a second try. When
-    the crashing thread's stack (faulthandler's "Current thread" block) names a frame of
-    fsdp_overlap_plugin, the failure is ``fail_if_package_crashed``'s ``AssertionError``
-    instead, which puts that stack first. To chase a native crash, run
-    benchmarks/stress.py (``NEVER_RERUN``).
-    """
-    return _attempt(fn, args, world, timeout, env)
 
 
 def _isolated(fn: Callable, args: tuple, results: Any) -> None:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from _dist import run_isolated
+from _dist import free_port, run_isolated
 from _fake_npu import install_fake_torch_npu
 
 from fsdp_overlap_plugin import accelerators
@@ -63,7 +63,7 @@ def _exit_hooks_after_parallelize() -> tuple[int, int, int]:
     from fsdp_overlap_plugin import parallelize
     from fsdp_overlap_plugin.models import gpt_small
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     before = atexit._ncallbacks()
     parallelize(gpt_small(n_layer=1), compile=False)
@@ -73,14 +73,6 @@ def _exit_hooks_after_parallelize() -> tuple[int, int, int]:
     again = atexit._ncallbacks()
     dist.destroy_process_group()
     return before, first, again
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_gloo_parallelize_registers_the_exit_hook_once():
