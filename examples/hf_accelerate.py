@@ -19,6 +19,7 @@ reads the checkpoint into the shards: each rank only its rows of each tensor.
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -72,8 +73,11 @@ accelerator.print(f"fsdp-overlap settings from {config_source(model)}")
 
 local = sum(p.to_local().numel() for p in model.parameters())
 total = sum(p.numel() for p in model.parameters())
+shard = next(model.parameters()).to_local()
+# On a CPU every rank is a process on the same CPU (accelerator.device says "cpu" for all)
+where = str(shard.device) if shard.device.type != "cpu" else f"CPU process {os.getpid()}"
 print(
-    f"[rank {accelerator.process_index}/{accelerator.num_processes}] {accelerator.device}, "
+    f"[rank {accelerator.process_index}/{accelerator.num_processes}] {where}, "
     f"{type(model).__name__} not wrapped, holds {local} of {total} parameter elements "
     f"({type(next(model.parameters())).__name__} shards)",
     flush=True,

@@ -97,11 +97,16 @@ def copy_yaml(path: Path, **fsdp_changes) -> Path:
 
 
 def rank_lines(text: str, model: str = "GPT") -> dict[int, tuple[int, int]]:
-    """``{rank: (local elements, total elements)}`` from the example's per-rank line."""
+    """``{rank: (local elements, total elements)}`` from the example's per-rank line. On a
+    CPU each rank names its own process (not ``cpu:0`` for every rank): checked here."""
     found = re.findall(
-        rf"\[rank (\d+)/2\] .* {model} not wrapped, holds (\d+) of (\d+) parameter elements \(DTensor shards\)", text
+        rf"\[rank (\d+)/2\] (.*), {model} not wrapped, holds (\d+) of (\d+) parameter elements \(DTensor shards\)",
+        text,
     )
-    return {int(r): (int(local), int(total)) for r, local, total in found}
+    where = [w for _, w, _, _ in found]
+    assert all(re.fullmatch(r"CPU process \d+|\w+:\d+", w) for w in where), where
+    assert len(set(where)) == len(where), f"two ranks on one device or process: {where}"
+    return {int(r): (int(local), int(total)) for r, _, local, total in found}
 
 
 def core_reference(rank: int, world: int, steps: int, backend: str) -> list[float]:
