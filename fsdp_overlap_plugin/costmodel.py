@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .records import KINDS, current
 
-__all__ = ["DEFAULT_RATES", "draw_timeline", "predicted", "simulate"]
+__all__ = ["DEFAULT_RATES", "draw_timeline", "predicted", "rates_for", "simulate"]
 
 # A bucket number is written on a communication bar wider than 1/60 of the time axis:
 # narrower bars cannot hold it legibly at the figure's width.
@@ -24,6 +24,11 @@ DEFAULT_RATES = {
     "cuda": {"flops": 4e14, "mem": 3e12, "link": 2.5e10},  # H100-class bf16, NVLink-ish
     "npu": {"flops": 3e14, "mem": 1.6e12, "link": 2.5e10},
 }
+
+
+def rates_for(device_type: str | None) -> dict:
+    """The rates the predictions use for a device type (cpu's for an unknown one)."""
+    return dict(DEFAULT_RATES.get(device_type or "cpu", DEFAULT_RATES["cpu"]))
 
 
 def simulate(events: list[dict], *, world: int, flops: float, mem: float, link: float) -> dict:
@@ -72,7 +77,7 @@ def predicted(report: dict, rates: dict | None = None) -> dict:
     """Predicted total and exposed-communication seconds per kind of graph, before/after
     the passes: the sum over that kind's training graphs that run now (one, without graph
     breaks; the latest compile when a new sequence length compiled the forward again)."""
-    rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
+    rates = rates or rates_for(report.get("device_type"))
     keys = ("total_s", "exposed_comm_s", "comm_s", "compute_s")
     out: dict = {}
     running = current(report.get("graphs") or [], (report.get("config") or {}).get("fullgraph", True))
@@ -99,7 +104,7 @@ def draw_timeline(report: dict, path: str, rates: dict | None = None) -> str:
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - depends on the environment
         raise ImportError("the timeline needs matplotlib: pip install 'fsdp-overlap-plugin[viz]'") from None
-    rates = rates or DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"])
+    rates = rates or rates_for(report.get("device_type"))
     rows = [
         (kind, phase) for kind in KINDS if (report.get(kind) or {}).get("schedule") for phase in ("before", "after")
     ]

@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from .config import format_bytes, prefetch_words
-from .costmodel import predicted
+from .costmodel import predicted, rates_for
 from .exchange import exchanges_run
 from .records import KINDS, SUMMARY_STATS, current, record_name, summarize_pass
 from .state import get_state
@@ -26,6 +26,7 @@ __all__ = [
     "SUMMARY_STATS",
     "checkpointing_total",
     "format_report",
+    "headline",
     "reshard_total",
     "schedule_report",
     "summarize_pass",
@@ -97,8 +98,28 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
     for kind in KINDS:
         training = [r for r in running if r["graph"] == kind and not r.get("inference")]
         report[kind] = training[0] if len(training) == 1 else (total_of(training) if training else None)
+    report["params"] = _param_totals(model, config)
+    report["cost_model"] = {"device_type": state.device_type, "rates": rates_for(state.device_type)}
     report["predicted"] = predicted(report)
     return report
+
+
+def _param_totals(model: nn.Module, config: Any) -> dict:
+    """The model's parameters, each counted once (a tied weight is one parameter), and their
+    bytes gathered in full in ``param_dtype``: what "gathered ahead" is measured against.
+    A gathered tensor is as large as its padded shards (FSDP2 pads dim 0 to a multiple of
+    the shard count: a vocabulary of 97 gathers 98 rows on 2 ranks), so that is counted."""
+    params = list(model.parameters())  # unique: a tied weight appears once
+    dtype = config.torch_param_dtype
+    gathered = 0
+    for p in params:
+        shards = 1
+        for mesh_dim, placement in enumerate(getattr(p, "placements", ())):
+            if placement.is_shard():
+                shards *= p.device_mesh.size(mesh_dim)
+        rows = -(-p.shape[0] // shards) * shards if p.dim() else 1
+        gathered += rows * (p.numel() // max(p.shape[0], 1) if p.dim() else 1) * (dtype or p.dtype).itemsize
+    return {"count": sum(p.numel() for p in params), "gathered_bytes": gathered}
 
 
 def prefetch_total(records: list[dict], config: Any) -> dict:
@@ -243,8 +264,129 @@ def _recompile_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _plan_words(plan: list) -> str:
+    """The buckets in a few words: "tok_emb + pos_emb; blocks.0 to blocks.3, one each;
+    norm + head". Runs of one-module buckets numbered 0, 1, 2, ... under one parent
+    collapse into one phrase, so a 64-layer plan still fits on a line."""
+    words: list[str] = []
+    i = 0
+    while i < len(plan):
+        bucket = [str(m) for m in plan[i]]
+        j = i
+        if len(bucket) == 1 and bucket[0].rpartition(".")[2].isdigit():
+            parent, _, first = bucket[0].rpartition(".")
+            while (
+                j + 1 < len(plan)
+                and len(plan[j + 1]) == 1
+                and str(plan[j + 1][0]) == f"{parent}.{int(first) + j + 1 - i}"
+            ):
+                j += 1
+        if j > i + 1:
+            words.append(f"{bucket[0]} to {plan[j][0]}, one each")
+            i = j + 1
+        else:
+            words.append(" + ".join(bucket) or "(empty)")
+            i += 1
+    return "; ".join(words)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _rates_words(rates: dict) -> str:
+    return f"{rates['flops'] / 1e9:g} GFLOP/s compute, {rates['link'] * 8 / 1e9:g} Gbit/s link per rank"
+
+
+def headline(report: dict[str, Any]) -> list[str]:
+    """The first lines a practitioner reads, in plain words: how the model runs, its
+    buckets, the collectives per step before -> after the passes, how much communication
+    the cost model predicts hidden (with the rates it assumed, and why little can be hidden
+    when compute is short), and the memory prefetching keeps gathered."""
+    mode = report["mode"]
+    mesh = report.get("mesh") or []
+    ranks = f"{report['world_size']} ranks" + (f" ({mesh[0]} replicas of {mesh[1]} shards)" if len(mesh) == 2 else "")
+    on = [name for name, enabled in report["passes"].items() if enabled]
+    passes = {2: "both passes on", 1: f"only {on[0] if on else ''} on", 0: "passes off"}[len(on)]
+    if mode == "compiled":
+        first = f"fsdp-overlap summary: {ranks}, compiled with {report['backend']}, {passes}"
+    elif report.get("fallback_reason"):
+        first = f"fsdp-overlap summary: {ranks}, running uncompiled after a compile failure (no overlap passes)"
+    else:
+        first = f"fsdp-overlap summary: {ranks}, uncompiled (compile: false), plain FSDP2; the passes need compile"
+    lines = [first]
+    plan = report.get("plan") or []
+    lines.append(
+        f"  buckets: {len(plan)} ({_plan_words(plan)}): each is gathered by one collective, the next "
+        "while the current one computes"
+        if report["passes"].get("manual_bucketing")
+        else f"  buckets: {len(plan)} planned ({_plan_words(plan)}), not merged: bucketing is off or not compiled"
+    )
+    if mode != "compiled":
+        return lines
+    fwd, bwd = report.get("forward"), report.get("backward")
+    if not fwd and not bwd:
+        lines.append("  not compiled yet: the numbers come after the first training step")
+        return lines
+    parts = []
+    if fwd:
+        parts.append(f"forward {_arrow(fwd, 'all_gather')} parameter gathers")
+    if bwd:
+        scatter = f"{_arrow(bwd, 'reduce_scatter')} gradient reduce-scatters"
+        if bwd["after"].get("reduce_scatter_as_all_to_all"):
+            # on gloo the all-to-all replaces a clone plus a full all-reduce (report["reduce_scatter"])
+            why = ": half the bytes of gloo's own" if report.get("device_type") == "cpu" else ""
+            scatter += f" (sent as all-to-alls{why})"
+        parts.append(f"backward {_arrow(bwd, 'all_gather')} parameter re-gathers, {scatter}")
+    for kind, record in (("forward", fwd), ("backward", bwd)):
+        if record and (record["before"].get("all_reduce") or record["after"].get("all_reduce")):
+            parts.append(f"{kind} {_arrow(record, 'all_reduce')} all-reduces")
+    lines.append("  collectives per step (before -> after the passes): " + "; ".join(parts))
+    pred = report.get("predicted") or {}
+    if pred:
+        after = {k: sum(p["after"][k] for p in pred.values()) for k in ("comm_s", "exposed_comm_s", "compute_s")}
+        before = sum(p["before"]["comm_s"] - p["before"]["exposed_comm_s"] for p in pred.values())
+        hidden = after["comm_s"] - after["exposed_comm_s"]
+        per_kind = ", ".join(
+            f"{k} {_ms(p['after']['comm_s'] - p['after']['exposed_comm_s'])} of {_ms(p['after']['comm_s'])}"
+            for k, p in pred.items()
+        )
+        rates = (report.get("cost_model") or {}).get("rates")
+        lines.append(
+            f"  communication hidden behind compute (predicted): {_ms(hidden)} of {_ms(after['comm_s'])} ms per step, "
+            f"{_ms(before)} before the passes ({per_kind})"
+        )
+        if rates:
+            lines.append(
+                f"    rates assumed (rough {report.get('device_type')} defaults, not measured): {_rates_words(rates)}"
+            )
+        if after["exposed_comm_s"] > 0.1 * after["comm_s"] and after["compute_s"] < after["comm_s"]:
+            lines.append(
+                f"    why not more: communication hides only behind compute, and this step computes for "
+                f"{_ms(after['compute_s'])} ms against {_ms(after['comm_s'])} ms of communication; a larger batch or "
+                "model, or a faster link, leaves more of it hidden"
+            )
+    prefetch = report.get("prefetch") or {}
+    peaks = [prefetch[k]["peak_bytes"] for k in KINDS if k in prefetch]
+    if peaks:
+        total = (report.get("params") or {}).get("gathered_bytes")
+        budget = prefetch["max_bytes"]
+        lines.append(
+            f"  memory: at most {format_bytes(max(peaks))} of parameters gathered ahead of use"
+            + (f" ({format_bytes(total)} for the whole model)" if total else "")
+            + f"; prefetch depth {prefetch['depth']}, "
+            + ("no budget" if budget is None else f"budget {format_bytes(budget)}")
+        )
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """A short human-readable summary of ``schedule_report``."""
+    """A human-readable summary of ``schedule_report``: a few lines in plain words
+    (``headline``), then the details, one counter per pass (each explained in docs/report.md)."""
+    return "\n".join([*headline(report), "details (every term is explained in docs/report.md):", _details(report)])
+
+
+def _details(report: dict[str, Any]) -> str:
     lines = []
     mesh = "x".join(str(s) for s in report["mesh"])
     on = [name for name, enabled in report["passes"].items() if enabled]

@@ -1,0 +1,158 @@
+"""The schedule summary's first lines, in plain words (issue 41): what they say on a real
+compiled model, in every mode, and that every term of the summary has its entry in
+docs/report.md."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import _hf
+import pytest
+from _fake import fake_world
+
+import fsdp_overlap_plugin as fo
+from fsdp_overlap_plugin.costmodel import rates_for
+from fsdp_overlap_plugin.records import SUMMARY_STATS
+from fsdp_overlap_plugin.report import _plan_words, headline
+
+GLOSSARY = Path(__file__).resolve().parents[1] / "docs" / "report.md"
+
+
+@pytest.fixture(scope="module")
+def llama_report():
+    """A tied transformers Llama on a fake 2-rank world, one step, aot_eager, with its
+    reduce-scatters sent as all-to-alls."""
+    with fake_world(2):
+        model = _hf.build("llama")
+        fo.parallelize(model, {"backend": "aot_eager", "reduce_scatter_impl": "all_to_all"})
+        _hf.loss(model, _hf.batches(1, 2)[0]).backward()
+        unique = sum(p.numel() for p in model.parameters())
+        every = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+        report = fo.schedule_report(model)
+    return report, unique, every
+
+
+def test_headline_of_a_real_run(llama_report):
+    report, unique, every = llama_report
+    text = fo.format_report(report)
+    lines = text.splitlines()
+    # the plain words come first, the per-pass counters after, under "details"
+    details = lines.index("details (every term is explained in docs/report.md):")
+    assert lines[details + 1].startswith("fsdp-overlap schedule: compiled, world 2")
+    head = "\n".join(lines[:details])
+    assert lines[0] == "fsdp-overlap summary: 2 ranks, compiled with aot_eager, both passes on"
+    assert "buckets: 4 (model.embed_tokens; model.layers.0; model.layers.1; model.norm + lm_head)" in head
+    fwd, bwd = report["forward"], report["backward"]
+    assert (
+        f"forward {fwd['before']['all_gather']} -> {fwd['after']['all_gather']} parameter gathers; "
+        f"backward {bwd['before']['all_gather']} -> {bwd['after']['all_gather']} parameter re-gathers, "
+        f"{bwd['before']['reduce_scatter']} -> {bwd['after']['reduce_scatter']} gradient reduce-scatters "
+        "(sent as all-to-alls: half the bytes of gloo's own)"
+    ) in head
+    assert (fwd["after"]["all_gather"], bwd["after"]["reduce_scatter"]) == (4, 4)
+    # the prediction, added up over both graphs, with the rates it used
+    pred = report["predicted"]
+    comm = sum(p["after"]["comm_s"] for p in pred.values())
+    hidden = comm - sum(p["after"]["exposed_comm_s"] for p in pred.values())
+    assert (
+        f"communication hidden behind compute (predicted): {hidden * 1e3:.1f} of {comm * 1e3:.1f} ms per step" in head
+    )
+    assert report["cost_model"] == {"device_type": "cpu", "rates": rates_for("cpu")}
+    assert "rates assumed (rough cpu defaults, not measured): 50 GFLOP/s compute, 0.3 Gbit/s link per rank" in head
+    # a tiny model computes far less than it communicates: the summary says why little hides
+    compute = sum(p["after"]["compute_s"] for p in pred.values())
+    assert compute < comm and f"this step computes for {compute * 1e3:.1f} ms against {comm * 1e3:.1f} ms" in head
+    # the tied embedding / lm_head weight is one parameter, and nothing gathered ahead
+    # exceeds the whole model gathered (padded shards included)
+    assert report["params"]["count"] == unique < every
+    peak = max(report["prefetch"][k]["peak_bytes"] for k in ("forward", "backward"))
+    assert peak <= report["params"]["gathered_bytes"]
+    assert f"memory: at most {fo.config.format_bytes(peak)} of parameters gathered ahead of use (" in head
+    assert "prefetch depth 1, no budget" in head
+    # no pass jargon in the plain-words part
+    for word in ("a2a", "deferred_rs_waits", "gathers_first", "pin_order", "receive_first", "manual_bucketing"):
+        assert word not in head, word
+
+
+def test_padded_shards_count_in_the_whole_model(llama_report):
+    report, unique, _ = llama_report
+    # vocabulary 97 gathers 98 rows on 2 ranks: the gathered model is larger than its elements
+    assert report["params"]["gathered_bytes"] == (unique + _hf.config("llama").hidden_size) * 4
+
+
+def test_headline_without_overlap(llama_report):
+    report = copy.deepcopy(llama_report[0])
+    eager = dict(report, mode="eager fully_shard", backend=None)
+    eager["passes"] = {"manual_bucketing": False, "overlap_grad_reduce": False}
+    assert headline(eager) == [
+        "fsdp-overlap summary: 2 ranks, uncompiled (compile: false), plain FSDP2; the passes need compile",
+        "  buckets: 4 planned (model.embed_tokens; model.layers.0; model.layers.1; model.norm + lm_head), "
+        "not merged: bucketing is off or not compiled",
+    ]
+    failed = dict(eager, mode="eager after a compile failure", fallback_reason="boom")
+    assert "running uncompiled after a compile failure" in headline(failed)[0]
+    fresh = dict(report, forward=None, backward=None)
+    assert headline(fresh)[-1] == "  not compiled yet: the numbers come after the first training step"
+    one = dict(report, passes={"manual_bucketing": False, "overlap_grad_reduce": True})
+    assert headline(one)[0].endswith("only overlap_grad_reduce on")
+
+
+def test_why_not_more_only_when_compute_is_short(llama_report):
+    report = copy.deepcopy(llama_report[0])
+    for phases in report["predicted"].values():  # compute now longer than communication
+        phases["after"]["compute_s"] = 10 * phases["after"]["comm_s"]
+    assert not any("why not more" in line for line in headline(report))
+    for phases in report["predicted"].values():  # and most of it hidden
+        phases["after"]["compute_s"] = phases["after"]["comm_s"] / 10
+        phases["after"]["exposed_comm_s"] = phases["after"]["comm_s"] / 20
+    assert not any("why not more" in line for line in headline(report))
+
+
+def test_all_reduces_appear_when_there_are_some(llama_report):
+    report = copy.deepcopy(llama_report[0])
+    report["mesh"], report["world_size"] = [2, 2], 4  # HSDP: replicas all-reduce their gradient shards
+    assert headline(report)[0].startswith("fsdp-overlap summary: 4 ranks (2 replicas of 2 shards), compiled")
+    report["backward"]["before"]["all_reduce"], report["backward"]["after"]["all_reduce"] = 21, 4
+    assert "; backward 21 -> 4 all-reduces" in "\n".join(headline(report))
+
+
+def test_plan_words_collapse_runs_of_blocks():
+    plan = [["tok_emb", "pos_emb"], *[[f"blocks.{i}"] for i in range(32)], ["norm", "head"]]
+    assert _plan_words(plan) == "tok_emb + pos_emb; blocks.0 to blocks.31, one each; norm + head"
+    # two in a row stay named; a gap breaks the run
+    assert _plan_words([["a.0"], ["a.1"]]) == "a.0; a.1"
+    assert _plan_words([["a.0"], ["a.1"], ["a.2"], ["a.4"]]) == "a.0 to a.2, one each; a.4"
+    assert _plan_words([["x.0", "x.1"], ["x.2"]]) == "x.0 + x.1; x.2"
+
+
+def test_every_term_has_a_glossary_entry(llama_report):
+    glossary = GLOSSARY.read_text()
+    for name, keys in SUMMARY_STATS.items():  # every counter the details show
+        assert f"`{name}(" in glossary, name
+        for key in keys:
+            assert f"`{key}`" in glossary or f"{key}=" in glossary or f", {key}" in glossary, (name, key)
+    # every line the summary and the details can start with: the words before its first
+    # ":" or "(", a module or parameter name written X, forward and backward alike
+    text = fo.format_report(llama_report[0])
+    starts = set()
+    for line in text.splitlines():
+        if re.match(r"\s*(graph\s|details|(forward|backward|inference)\s.*->)", line):
+            continue  # the table's header and rows, and the line that opens the details
+        head = re.sub(r"\b\w+(\.\w+)+\b", "X", re.split(r"[:(]", line.strip())[0].strip())
+        starts.add(head.replace("backward", "forward"))
+    assert len(starts) >= 14, starts
+    missing = [s for s in starts if f"`{s}" not in glossary]
+    assert not missing, missing
+    for term in ("a2a", "[from FX graph cache]", "receive_first", "compile cache", "fell back to eager"):
+        assert term in glossary, term
+
+
+def test_report_json_round_trip_keeps_the_headline(llama_report, tmp_path):
+    import json
+
+    report = llama_report[0]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report, default=str))
+    assert headline(json.loads(path.read_text())) == headline(report)
