@@ -5,7 +5,8 @@ launcher (the fsdp_overlap_* keys under fsdp_config); the script has one extra l
     accelerate launch --config_file configs/overlap.yaml --num_processes 2 examples/accelerate_train.py
     fsdp-overlap launch --config configs/overlap.yaml --num_processes 2 examples/accelerate_train.py
 
-(the second checks the YAML first, and stops naming the key before any process starts)
+(the second checks the YAML first, and the bucket plan against FSDP_OVERLAP_MODEL below, and
+stops naming the key or module before any process starts)
 
 Works on GPUs (nccl), Ascend NPUs (hccl) and, for development, on a CPU-only machine as
 2 gloo ranks with the same command. Checkpoints, as in Accelerate's own examples:
@@ -35,6 +36,9 @@ BATCH_PER_RANK = 4
 SEQ = 32
 LR = 3e-3
 MAX_GRAD_NORM = 1.0
+# The model below, for `fsdp-overlap launch`: it reads this line (without running the
+# script) to check the YAML's bucket plan against the model before starting any process.
+FSDP_OVERLAP_MODEL = "fsdp_overlap_plugin.models.gpt:gpt_small(n_layer=4, d_model=64, block_size=32)"
 # --------------------------------------------------------------------------------------
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

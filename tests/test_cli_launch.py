@@ -187,7 +187,8 @@ def test_launcher_arguments_pass_through_and_reach_the_check(capsys, launched, c
     assert args.environ["FSDP_RESHARD_AFTER_FORWARD"] == "true"  # the file's, as exported
     assert checked["results"][0][1]["config"]["values"]["param_dtype"] == "bf16"
     assert out.splitlines() == [
-        f"fsdp-overlap launch: {CONFIG}: keys valid (no --model: plan not resolved)",
+        f"fsdp-overlap launch: {CONFIG}: keys valid; plan not checked against a model "
+        "(pass --model pkg.mod:factory to check it before launching)",
         "  note: param_dtype = bf16 from mixed_precision: bf16",
         "  note: reshard_after_forward = true from fsdp_reshard_after_forward",
         f"fsdp-overlap launch: accelerate launch --config_file {CONFIG} {' '.join(cmd[5:])}",

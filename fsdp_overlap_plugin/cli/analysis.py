@@ -14,12 +14,13 @@ import torch.nn as nn
 
 from ..config import OverlapConfig, OverlapConfigError
 from ..parallelize import unbucketed_parameters
+from ..passes.plan_index import BucketIndex
 from ..passes.prefetch import kept_buckets, prefetch_plan
-from ..plan import PlanWarning, auto_plan_info, gather_bytes
+from ..plan import PlanWarning, auto_plan_info
 from ..preflight import preflight
 from .text import format_bytes, format_count
 
-__all__ = ["LARGE_BUCKET_FACTOR", "SMALL_BUCKET_BYTES", "analyze", "bucket_rows", "module_tree"]
+__all__ = ["LARGE_BUCKET_FACTOR", "SMALL_BUCKET_BYTES", "analyze", "bucket_rows", "module_tree", "tied_parameters"]
 
 #: Below this many bytes a bucket's fixed collective latency costs more than moving its
 #: bytes (alpha * beta with alpha ~ 20 us, beta ~ 50 GB/s; see docs/tuning.md).
@@ -30,36 +31,109 @@ LARGE_BUCKET_FACTOR = 4
 _LISTED_PARAMS = 6
 
 
-def _param_rows(module: nn.Module, config: OverlapConfig) -> dict[str, int]:
-    """Counts and bytes of ``module``'s subtree: storage in each parameter's own dtype
-    (distinct parameters), all-gather in param_dtype and reduce-scatter in reduce_dtype
-    (per registration: a tied parameter is gathered once per module using it)."""
-    distinct = {id(p): p for p in module.parameters()}.values()
-    return {
-        "params": sum(p.numel() for p in distinct),
-        "storage_bytes": sum(p.numel() * p.element_size() for p in distinct),
-        "gather_bytes": gather_bytes(module, config.torch_param_dtype),
-        "reduce_bytes": gather_bytes(module, config.torch_reduce_dtype),
-    }
+def _itemsize(p: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype or p.dtype, device="meta").element_size()
+
+
+def _registrations(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter (by ``id``) -> its FQNs, in registration order (a tied parameter,
+    ``lm_head.weight is model.embed_tokens.weight``, has several)."""
+    names: dict[int, list[str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def _module_of(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _counted(
+    params: list[tuple[str, torch.Tensor]], home: Callable[[str], bool], names: dict[int, list[str]]
+) -> tuple[dict[str, int], list[dict[str, Any]], list[int]]:
+    """``params`` (name, parameter: every registration inside one bucket or subtree) counted
+    once each, and only where the parameter is first registered (``home(first FQN)``): a tied
+    parameter is gathered once, by its first use (AOT autograd merges its reads' identical
+    gathers into the first, and ``passes/tied.py`` reduces its summed gradient in that
+    read's bucket). Returns the totals, the tied parameters held here but counted elsewhere,
+    and the ids counted."""
+    totals = {"params": 0, "storage_bytes": 0, "gather_bytes": 0, "reduce_bytes": 0, "_ids": []}
+    tied: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for name, p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        first = names.get(id(p), [name])[0]
+        if not home(first):
+            tied.append({"param": name, "same_as": first, "params": p.numel()})
+            continue
+        totals["_ids"].append(id(p))
+        totals["params"] += p.numel()
+        totals["storage_bytes"] += p.numel() * p.element_size()
+    return totals, tied, totals.pop("_ids")
+
+
+def _add_bytes(totals: dict[str, int], ids: list[int], by_id: dict[int, torch.Tensor], config: OverlapConfig) -> None:
+    totals["gather_bytes"] = sum(by_id[i].numel() * _itemsize(by_id[i], config.torch_param_dtype) for i in ids)
+    totals["reduce_bytes"] = sum(by_id[i].numel() * _itemsize(by_id[i], config.torch_reduce_dtype) for i in ids)
+
+
+def _held(module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter registration under ``module`` as (FQN from the root, parameter)."""
+    return [(f"{prefix}.{name}" if prefix else name, p) for name, p in module.named_parameters(remove_duplicate=False)]
+
+
+def tied_parameters(model: nn.Module, plan: list[list[str]]) -> list[dict[str, Any]]:
+    """Parameters registered under more than one name: ``{"param": first FQN, "names": the
+    others, "params": elements, "bucket": the plan entry that gathers and reduces it}``. The
+    entry is the one holding its first registration (the forward's first read for a model
+    that registers modules in the order it runs them: the embedding, not the head); None
+    when no entry holds that one."""
+    index = BucketIndex(plan)
+    params = {id(p): p for p in model.parameters()}
+    return [
+        {
+            "param": names[0],
+            "names": names[1:],
+            "params": params[pid].numel(),
+            "bucket": index.bucket_of(_module_of(names[0])),
+        }
+        for pid, names in _registrations(model).items()
+        if len(names) > 1 and pid in params
+    ]
+
+
+def _param_rows(module: nn.Module, prefix: str, config: OverlapConfig, names: dict[int, list[str]]) -> dict[str, Any]:
+    """Counts and bytes of ``module``'s subtree (storage in each parameter's own dtype,
+    all-gather in param_dtype, reduce-scatter in reduce_dtype), each parameter once and a
+    tied one only in the subtree of its first registration; ``tied``: the ones held here
+    but counted there."""
+    inside = lambda fqn: not prefix or fqn.startswith(prefix + ".")  # noqa: E731
+    totals, tied, ids = _counted(_held(module, prefix), inside, names)
+    _add_bytes(totals, ids, {id(p): p for p in module.parameters()}, config)
+    return {**totals, "tied": tied}
 
 
 def bucket_rows(model: nn.Module, config: OverlapConfig, plan: list[list[str]]) -> list[dict[str, Any]]:
-    """One row per bucket: its modules, parameter count and bytes (a parameter two of the
-    bucket's modules share counts once in storage, per module in the collectives)."""
+    """One row per bucket: its modules, parameter count and bytes. Each parameter counts
+    once, in the bucket that gathers and reduces it at runtime: a tied parameter
+    (``lm_head.weight is model.embed_tokens.weight``) in the bucket of its first
+    registration, and in any other bucket holding it only under ``tied``. So the rows
+    never sum to more than the model."""
+    names = _registrations(model)
+    index = BucketIndex(plan)
+    by_id = {id(p): p for p in model.parameters()}
     rows = []
     for i, bucket in enumerate(plan):
-        totals = {"params": 0, "storage_bytes": 0, "gather_bytes": 0, "reduce_bytes": 0}
-        seen: set[int] = set()
-        for fqn in bucket:
-            sub = model.get_submodule(fqn)
-            for p in sub.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    totals["params"] += p.numel()
-                    totals["storage_bytes"] += p.numel() * p.element_size()
-            totals["gather_bytes"] += gather_bytes(sub, config.torch_param_dtype)
-            totals["reduce_bytes"] += gather_bytes(sub, config.torch_reduce_dtype)
-        rows.append({"index": i, "modules": list(bucket), **totals})
+        held = [pair for fqn in bucket for pair in _held(model.get_submodule(fqn), fqn)]
+        totals, tied, ids = _counted(held, lambda fqn, i=i: index.bucket_of(_module_of(fqn)) == i, names)
+        _add_bytes(totals, ids, by_id, config)
+        for t in tied:
+            t["counted_in"] = index.bucket_of(_module_of(t["same_as"]))
+        rows.append({"index": i, "modules": list(bucket), **totals, "tied": tied})
     return rows
 
 
@@ -184,8 +258,8 @@ def analyze(
     ``key`` spells a config key as the user's file does; ``rename`` rewrites a core error
     that way. Returns a JSON-serialisable dict: ``plan`` (source, buckets with modules,
     parameter count, storage / all-gather / reduce-scatter bytes), ``auto`` (the auto plan
-    and its target), ``activation_checkpointing``, ``memory``, ``unbucketed`` parameters
-    and ``warnings`` (each with a ``kind``: unbucketed, large, small, no_params, ignored).
+    and its target), ``activation_checkpointing``, ``memory``, ``unbucketed`` parameters,
+    ``tied`` parameters (each counted once, in the bucket that gathers it) and ``warnings`` (each with a ``kind``: unbucketed, large, small, no_params, ignored).
     Raises ``OverlapConfigError`` where ``parallelize`` would (plan, checkpointing, mesh).
     """
     with warnings.catch_warnings(record=True) as caught:
@@ -216,16 +290,13 @@ def analyze(
         },
         "activation_checkpointing": checked.checkpointed,
         "unbucketed": unbucketed,
+        "tied": tied_parameters(model, checked.plan),
         "memory": _memory(model, [r["gather_bytes"] for r in rows], checked.mesh, world, config),
         "warnings": found,
     }
 
 
 # --------------------------------------------------------------------------- the tree
-def _bytes(params: list[torch.Tensor], dtype: torch.dtype | None) -> int:
-    return sum(p.numel() * torch.empty((), dtype=dtype or p.dtype, device="meta").element_size() for p in params)
-
-
 def module_tree(model: nn.Module, config: OverlapConfig, plan: list[list[str]], depth: int = 0) -> list[dict[str, Any]]:
     """Rows of the module tree down to the bucket level (and ``depth`` levels inside each
     bucket): modules containing buckets are expanded, bucketed modules are leaves.
@@ -235,24 +306,26 @@ def module_tree(model: nn.Module, config: OverlapConfig, plan: list[list[str]], 
     directly by a container, which no FQN can name), ``bucket`` and the byte counts.
     """
     owner = {fqn: i for i, bucket in enumerate(plan) for fqn in bucket}
+    names = _registrations(model)
     ancestors = {".".join(f.split(".")[:k]) for f in owner for k in range(1, f.count(".") + 1)} | {""}
     rows: list[dict[str, Any]] = []
 
     def visit(prefix: str, module: nn.Module, level: int, inherited: int | None, below: int) -> None:
-        own = [p for p in module._parameters.values() if p is not None]
+        own = [(n, p) for n, p in module._parameters.items() if p is not None]
         if own and prefix in ancestors:
-            names = ", ".join(n for n, p in module._parameters.items() if p is not None)
+            listed = ", ".join(n for n, _ in own)
+            held = [(f"{prefix}.{n}" if prefix else n, p) for n, p in own]
+            totals, tied, ids = _counted(held, lambda fqn: _module_of(fqn) == prefix, names)
+            _add_bytes(totals, ids, {id(p): p for _, p in own}, config)
             rows.append(
                 {
-                    "fqn": f"{prefix}.({names})" if prefix else f"({names})",
+                    "fqn": f"{prefix}.({listed})" if prefix else f"({listed})",
                     "type": "own parameters",
                     "depth": level,
                     "role": "own",
                     "bucket": None,
-                    "params": sum(p.numel() for p in own),
-                    "storage_bytes": _bytes(own, None),
-                    "gather_bytes": _bytes(own, config.torch_param_dtype),
-                    "reduce_bytes": _bytes(own, config.torch_reduce_dtype),
+                    **totals,
+                    "tied": tied,
                 }
             )
         for name, child in module.named_children():
@@ -269,7 +342,7 @@ def module_tree(model: nn.Module, config: OverlapConfig, plan: list[list[str]], 
                 role, bucket = "unbucketed", None
             rows.append(
                 {"fqn": fqn, "type": type(child).__name__, "depth": level, "role": role, "bucket": bucket}
-                | _param_rows(child, config)
+                | _param_rows(child, fqn, config, names)
             )
             if role == "container":
                 visit(fqn, child, level + 1, None, 0)

@@ -14,9 +14,10 @@ from typing import Any
 import torch.nn as nn
 
 from ..config import OverlapConfig, OverlapConfigError, dtype_name
-from .analysis import analyze, bucket_rows, module_tree
+from .analysis import analyze, bucket_rows, module_tree, tied_parameters
 from .configs import SHAPES, LoadedConfig, load_config
-from .models import load_model
+from .errors import CliError
+from .models import load_model, unaccepted_kwargs
 from .text import (
     auto_lines,
     bucket_lines,
@@ -26,6 +27,7 @@ from .text import (
     plural,
     reduce_scatter_choices,
     reduce_scatter_lines,
+    tied_lines,
     tree_lines,
     warning_lines,
 )
@@ -71,6 +73,7 @@ def cmd_inspect(args: argparse.Namespace) -> Result:
     plan = [r["modules"] for r in result["plan"]["buckets"]]
     tree = module_tree(target, config, plan, depth=args.depth)
     auto_rows = bucket_rows(target, config, result["auto"]["buckets"])
+    auto_tied = tied_parameters(target, result["auto"]["buckets"])
     out = {
         "command": "inspect",
         "model": info,
@@ -81,7 +84,8 @@ def cmd_inspect(args: argparse.Namespace) -> Result:
             "reduce": dtype_name(config.torch_reduce_dtype),
         },
         "tree": tree,
-        "auto_plan": dict(result["auto"], buckets=auto_rows),
+        "tied": result["tied"],
+        "auto_plan": dict(result["auto"], buckets=auto_rows, tied=auto_tied),
         "plan": result["plan"],
         "memory": result["memory"],
         "warnings": result["warnings"],
@@ -92,9 +96,12 @@ def cmd_inspect(args: argparse.Namespace) -> Result:
     lines += dtype_lines(config, info)
     lines.append("")
     lines += tree_lines(tree, args.expand)
+    if result["plan"]["source"] == "config":
+        lines += tied_lines(result["tied"])
     lines.append("")
     lines += auto_lines(result)
     lines += bucket_lines(auto_rows, args.expand)
+    lines += tied_lines(auto_tied)
     if result["plan"]["source"] == "config":
         lines.append(
             f"the config's own bucket_plans ({len(plan)} buckets) is in the bucket column above; "
@@ -115,6 +122,32 @@ def _config_out(loaded: LoadedConfig, config: OverlapConfig) -> dict[str, Any]:
     }
 
 
+def _with_init_args(loaded: LoadedConfig, spec: str, model_args: list[str]) -> list[tuple[list[str], str]]:
+    """The ways to call ``--model`` with a LightningCLI YAML's ``model:`` init args, in
+    order, each with the line that says what was done: with them first (as LightningCLI
+    passes them to the class the script gives it) when ``spec`` takes them all, or may
+    (``**kwargs``); without them when it does not take them (or calling it with them fails)."""
+    init = loaded.model_init_args or {}
+    given = {a.partition("=")[0] for a in model_args}
+    shown = ", ".join(f"{k}={v}" for k, v in init.items() if k not in given)
+    shown += f"; --model-arg gives {', '.join(sorted(given & set(init)))}" if given & set(init) else ""
+    missing = unaccepted_kwargs(spec, list(init))
+    with_them = [f"{k}={json.dumps(v)}" for k, v in init.items() if k not in given] + model_args
+    used = (with_them, f"model from --model {spec} with the YAML's model: init args ({shown})")
+
+    def unused(why: str) -> tuple[list[str], str]:
+        return model_args, (
+            f"the YAML's model: init args ({shown}) are not passed to --model {spec}: {why} (they are for the "
+            "LightningModule the script gives LightningCLI; name that class with --model to use them)"
+        )
+
+    if missing == []:
+        return [used]
+    if missing:
+        return [unused(f"it takes no {', '.join(missing)}")]
+    return [used, unused("calling it with them failed")]
+
+
 def cmd_check(args: argparse.Namespace) -> Result:
     """``args``: the ``check`` arguments; ``args.environ`` (optional, ``launch`` sets it) is
     what ``accelerate launch`` exports beside the file (see ``configs.load_config``)."""
@@ -127,12 +160,34 @@ def cmd_check(args: argparse.Namespace) -> Result:
         spec = loaded.model_spec
         model_args = [f"{k}={json.dumps(v)}" for k, v in loaded.model_kwargs.items()] + model_args
         lines.append(f"        model from model.class_path: {spec}")
+    tries = [(model_args, None)]
+    if spec is not None and args.model is not None and loaded.model_init_args:
+        tries = _with_init_args(loaded, spec, model_args)
     if spec is None:
         out = {"command": "check", "ok": True, "config": _config_out(loaded, loaded.config), "warnings": []}
-        lines.append("model   none given (--model): keys checked, plan not resolved")
+        out["model"] = None
+        if loaded.model_init_args is not None:
+            out["needs"] = "--model"
+            lines.append(
+                f"model   {loaded.path} has `model:` init args but no class_path (LightningCLI takes the class "
+                "from the script: LightningCLI(YourModule)); pass --model package.module:YourModule, the class "
+                "your script gives LightningCLI, to check the plan against it (the YAML's model: values are "
+                "passed to it)"
+            )
+        else:
+            lines.append("model   plan not checked against a model (pass --model pkg.mod:factory to check it)")
         lines += warning_lines(out)
         return 0, out, lines
-    model, info = load_model(spec, model_args)
+    for n, (model_args, note) in enumerate(tries):
+        try:
+            model, info = load_model(spec, model_args)
+        except CliError:
+            if n + 1 == len(tries):
+                raise
+            continue
+        if note:
+            lines.append(f"        {note}")
+        break
     config, _, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
     out = {
         "command": "check",
@@ -143,6 +198,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
         "auto_plan": result["auto"],
         "activation_checkpointing": result["activation_checkpointing"],
         "unbucketed": result["unbucketed"],
+        "tied": result["tied"],
         "memory": result["memory"],
         "reduce_scatter": reduce_scatter_choices(config, result["memory"]["shard_size"]),
         "warnings": result["warnings"],
@@ -154,6 +210,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
     else:
         lines.append(f"plan    {len(rows)} buckets from {loaded.key('bucket_plans')}")
     lines += bucket_lines(rows, args.expand)
+    lines += tied_lines(result["tied"])
     if result["activation_checkpointing"]:
         lines.append(
             f"activation checkpointing ({config.activation_checkpointing_policy}): "

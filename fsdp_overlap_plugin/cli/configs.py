@@ -50,6 +50,9 @@ class LoadedConfig:
     model_spec: str | None = None
     """A model the file names (LightningCLI ``model.class_path``), used when --model is absent."""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_init_args: dict[str, Any] | None = None
+    """LightningCLI ``model:`` without a ``class_path``: its init args, for the class the
+    script gives ``LightningCLI(model_class)`` (which the file cannot name: ``--model`` does)."""
     module: str | None = None
     """LightningCLI: the strategy's ``module`` argument (which part of a LightningModule it
     parallelizes, and so what the plan is relative to)."""
@@ -147,4 +150,9 @@ def _lightning(data: dict, source: str) -> LoadedConfig:
         module, _, attr = model["class_path"].rpartition(".")
         loaded.model_spec = f"{module}:{attr}"
         loaded.model_kwargs = dict(model.get("init_args") or {})
+    elif isinstance(model, dict):
+        # LightningCLI(model_class) in the script: ``model:`` holds that class's init args
+        # (directly, or under ``init_args:``)
+        init = model.get("init_args") if set(model) == {"init_args"} else model
+        loaded.model_init_args = dict(init) if isinstance(init, dict) else {}
     return loaded

@@ -15,8 +15,10 @@ from .text import format_bytes, format_flops, table
 
 __all__ = ["cmd_explain", "cmd_timeline", "explain_report", "rate_arg", "summarize_schedule", "GRAPHS"]
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 GRAPHS = ("forward", "backward")
+#: How a reduce-scatter the passes sent as an all-to-all plus a local sum is named.
+SENT_AS_ALL_TO_ALL = "reduce-scatter, sent as all-to-all"
 
 
 def _bucket_label(plan: list[list[str]] | None, bucket: int | None, module: str | None) -> str:
@@ -27,13 +29,41 @@ def _bucket_label(plan: list[list[str]] | None, bucket: int | None, module: str 
     return f"bucket {bucket}"
 
 
-def summarize_schedule(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def carried_reduce_scatters(record: dict[str, Any], items: list[dict[str, Any]], report: dict[str, Any]) -> set[str]:
+    """Names of the all-to-all launches in ``items`` (a graph's schedule after the passes)
+    that carry a gradient reduce-scatter: ``reduce_scatter_impl`` all_to_all /
+    receive_first rewrites each one into an all-to-all plus a local sum, and the record
+    counts them (``after["reduce_scatter_as_all_to_all"]``). When the graph holds other
+    all-to-alls too, the ones on the exchange groups the report names (receive_first),
+    else the bucketed ones, if that gives the count; otherwise none (shown as all-to-all)."""
+    count = int((record.get("after") or {}).get("reduce_scatter_as_all_to_all") or 0)
+    a2a = [i for i in items if i.get("op") == "all_to_all"]
+    if not count or not a2a:
+        return set()
+    groups = set((report.get("reduce_scatter") or {}).get("groups") or [])
+    for chosen in (
+        a2a,
+        [i for i in a2a if groups and i.get("group") in groups],
+        [i for i in a2a if i.get("bucket") is not None],
+    ):
+        if len(chosen) == count:
+            return {str(i.get("name")) for i in chosen}
+    return set()
+
+
+def summarize_schedule(
+    items: list[dict[str, Any]], as_reduce_scatter: set[str] | frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
     """Per (bucket, collective kind): launch and wait positions in graph order, and the
     compute that lies between each launch and its wait (what can hide it).
 
     A wait is matched to its launch by ``of`` (the launch's ``name``). Compute between
     launch and wait is summed over the union of a group's launch-wait intervals, so a
     compute item is counted once per group even when several collectives span it.
+
+    ``as_reduce_scatter``: names of all-to-all launches that carry a gradient
+    reduce-scatter (``carried_reduce_scatters``); they are grouped as that bucket's
+    ``reduce_scatter``, with ``sent_as_all_to_all`` counting them.
     """
     launches: dict[str, int] = {}
     waits: dict[str, int] = {}
@@ -45,19 +75,23 @@ def summarize_schedule(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, dict[str, Any]] = {}
     for name, li in launches.items():
         item = items[li]
-        key = (item.get("bucket") if item.get("bucket") is not None else ("module", item.get("module")), item["op"])
+        carried = item["op"] == "all_to_all" and name in as_reduce_scatter
+        op = "reduce_scatter" if carried else item["op"]
+        key = (item.get("bucket") if item.get("bucket") is not None else ("module", item.get("module")), op)
         g = groups.setdefault(
             key,
             {
                 "bucket": item.get("bucket"),
                 "module": item.get("module") if item.get("bucket") is None else None,
-                "op": item["op"],
+                "op": op,
                 "launches": [],
                 "waits": [],
                 "bytes": 0,
                 "unwaited": [],
+                "sent_as_all_to_all": 0,
             },
         )
+        g["sent_as_all_to_all"] += carried
         g["launches"].append(li)
         g["bytes"] += int(item.get("bytes") or 0)
         wi = waits.get(name)
@@ -110,7 +144,12 @@ def explain_report(report: dict[str, Any], graphs: tuple[str, ...] = GRAPHS) -> 
                 items = schedule.get(phase) or []
                 if not isinstance(items, list) or not all(isinstance(i, dict) and "op" in i for i in items):
                     raise CliError(f"{kind}.schedule.{phase}: expected a list of items with an 'op' key.")
-                entry[phase] = {"items": items, "buckets": summarize_schedule(items)}
+                carried = carried_reduce_scatters(record, items, report) if phase == "after" else set()
+                entry[phase] = {
+                    "items": items,
+                    "buckets": summarize_schedule(items, carried),
+                    "reduce_scatters_as_all_to_all": sorted(carried),
+                }
         out["graphs"][kind] = entry
     return out
 
@@ -166,12 +205,24 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
                     continue
                 launches = sum(len(g["launches"]) for g in mine)
                 exposed = sum(g["bytes"] for g in mine if not g["overlapped"])
+                carried = sum(g.get("sent_as_all_to_all", 0) for g in mine)
+                sent = f" ({'all' if carried == launches else carried} sent as all-to-all)" if carried else ""
                 parts.append(
-                    f"{op} {launches} launches in {len(mine)} buckets, {sum(g['overlapped'] for g in mine)} with compute "
-                    f"before their wait, {format_bytes(exposed)} of {format_bytes(sum(g['bytes'] for g in mine))} exposed"
+                    f"{op} {launches} launches{sent} in {len(mine)} buckets, {sum(g['overlapped'] for g in mine)} with "
+                    f"compute before their wait, {format_bytes(exposed)} of {format_bytes(sum(g['bytes'] for g in mine))} "
+                    "exposed"
                 )
             lines.append(
                 f"  {phase + ' the passes:':<19}{len(entry[phase]['items'])} items; {'; '.join(parts) or 'no collectives'}"
+            )
+        carried = entry["after"]["reduce_scatters_as_all_to_all"]
+        if carried:
+            rs = report.get("reduce_scatter") or {}
+            impl = f" (reduce_scatter_impl: {rs['requested']} -> {rs['impl']})" if rs.get("impl") else ""
+            lines.append(
+                f"  after the passes, {len(carried)} gradient reduce-scatter{'s' if len(carried) != 1 else ''} ran as "
+                f"all-to-all plus a local sum{impl}: each rank receives every rank's copy of its own chunk and adds "
+                "them up; listed below as reduce_scatter, sent as all-to-all"
             )
         lines.append("  per bucket (#n = position in graph order; compute between launch and wait can hide it):")
         keyed: dict[tuple, dict[str, Any]] = {}
@@ -194,9 +245,13 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
                     else "nothing in between: exposed"
                 )
                 unwaited = f"; never waited in this graph: {len(g['unwaited'])}" if g["unwaited"] else ""
+                sent = ""
+                if g.get("sent_as_all_to_all"):
+                    some = "" if g["sent_as_all_to_all"] == len(g["launches"]) else f"{g['sent_as_all_to_all']} "
+                    sent = f" ({some}{SENT_AS_ALL_TO_ALL})"
                 lines.append(
                     f"      {phase + ':':<8}{len(g['launches'])} launch{'es' if len(g['launches']) != 1 else ''} "
-                    f"{_positions(g['launches'])}, wait{'s' if len(g['waits']) != 1 else ''} "
+                    f"{_positions(g['launches'])}{sent}, wait{'s' if len(g['waits']) != 1 else ''} "
                     f"{_positions(sorted(g['waits']))}, "
                     f"{format_bytes(g['bytes'])}; {hidden}{unwaited}"
                 )
@@ -204,11 +259,12 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
             for phase in ("before", "after"):
                 lines.append(f"  {kind} {phase} the passes, in graph order:")
                 grid = [["#", "op", "name", "bucket", "module", "bytes", "flops", "waits on"]]
+                carried = set(entry[phase]["reduce_scatters_as_all_to_all"])
                 for i, item in enumerate(entry[phase]["items"]):
                     grid.append(
                         [
                             str(i),
-                            item["op"],
+                            "all_to_all (reduce-scatter)" if item.get("name") in carried else item["op"],
                             str(item.get("name") or ""),
                             "" if item.get("bucket") is None else str(item["bucket"]),
                             str(item.get("module") or ""),

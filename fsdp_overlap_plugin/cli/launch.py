@@ -18,6 +18,11 @@ Accelerate cannot load; the check then names the key) the flags that matter are 
 ``--mixed_precision`` -> ``ACCELERATE_MIXED_PRECISION``, ``--fsdp_<x>`` -> ``FSDP_<X>`` and
 ``ACCELERATE_USE_FSDP=true``. A bad config, model or launcher argument exits 2, nothing started.
 
+The plan is checked against a model when there is one: ``--model``, else the training
+script's module-level ``FSDP_OVERLAP_MODEL = "package.module:factory"`` (a string literal,
+read from the file without running it; a relative ``file.py:factory`` is relative to the
+script). Without either, one line says the plan was not checked against a model.
+
 Then ``python -m accelerate.commands.launch --config_file CONFIG ...`` runs (a form the
 workers' config discovery recognises), with ``FSDP_OVERLAP_CONFIG`` set to the absolute
 path so every worker reads this file whatever its directory; its exit code is ours (128 + N
@@ -28,6 +33,7 @@ for signal N). SIGTERM is forwarded to it, and SIGINT unless it came from the te
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import os
@@ -48,6 +54,9 @@ from .errors import CliError
 __all__ = ["LaunchArgs", "launcher_command", "launcher_environ", "main", "split_args"]
 
 CONFIG_FLAGS = ("--config", "--config_file", "--config-file")
+#: A training script names its model for the check with ``FSDP_OVERLAP_MODEL = "pkg.mod:factory"``.
+SCRIPT_MODEL = "FSDP_OVERLAP_MODEL"
+NOT_CHECKED = "plan not checked against a model (pass --model pkg.mod:factory to check it before launching)"
 MODEL_ARG_FLAGS = ("--model-arg", "--model_arg")
 
 USAGE = """\
@@ -59,7 +68,8 @@ flags applied), then run `accelerate launch --config_file CONFIG` with it.
 
 options (only before SCRIPT; after it every argument is the script's):
   --config CONFIG       the Accelerate YAML (also --config_file, --config-file)
-  --model MODEL         also resolve the plan on this model (package.module:factory or hf:path)
+  --model MODEL         also resolve the plan on this model (package.module:factory or hf:path);
+                        default: the script's FSDP_OVERLAP_MODEL = "package.module:factory", if any
   --model-arg KEY=VALUE model factory argument (repeatable)
   -h, --help            this message
 
@@ -166,24 +176,83 @@ def launcher_command(config: str, passthrough: list[str]) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *passthrough]
 
 
+def _script_file(launcher: argparse.Namespace) -> Path | None:
+    """The training script's file: the script, or ``-m``'s module found on the path (not imported)."""
+    script = getattr(launcher, "training_script", None)
+    if not script or getattr(launcher, "no_python", False):
+        return None
+    if not getattr(launcher, "module", False):
+        return Path(script)
+    parts = script.split(".")
+    for base in [os.getcwd(), *sys.path]:
+        for candidate in (Path(base, *parts).with_suffix(".py"), Path(base, *parts, "__main__.py")):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def script_model(script: Path | None) -> str | None:
+    """The ``FSDP_OVERLAP_MODEL = "package.module:factory"`` a training script sets at module
+    level (a string literal, read with ``ast``: the script is not run), or None. A relative
+    ``path/file.py:factory`` is made relative to the script's folder."""
+    if script is None or script.suffix != ".py" or not script.is_file():
+        return None
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    for node in tree.body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if not any(isinstance(t, ast.Name) and t.id == SCRIPT_MODEL for t in targets):
+            continue
+        value = node.value
+        if not (isinstance(value, ast.Constant) and isinstance(value.value, str)):
+            raise CliError(
+                f'{script}:{node.lineno}: {SCRIPT_MODEL} must be a string, e.g. {SCRIPT_MODEL} = "pkg.mod:factory"'
+            )
+        spec = value.value
+        module, sep, rest = spec.partition(":")
+        if sep and module.endswith(".py") and not Path(module).is_absolute():
+            spec = f"{script.parent / module}:{rest}"
+        return spec
+    return None
+
+
 def _check(args: LaunchArgs) -> None:
     """``fsdp-overlap check`` on the YAML as the workers will see it; raises on a bad one."""
     from .commands import cmd_check
 
     assert args.config is not None
-    world = _parse_launcher(args.config, args.passthrough).num_processes
+    launcher = _parse_launcher(args.config, args.passthrough)
+    world = launcher.num_processes
     environ = launcher_environ(args.config, args.passthrough)
-    ns = argparse.Namespace(config=args.config, model=args.model, model_arg=list(args.model_args), world=world)
+    model, source = args.model, "--model"
+    if model is None:
+        script = _script_file(launcher)
+        model = script_model(script)
+        source = f"{script}: {SCRIPT_MODEL}"
+    ns = argparse.Namespace(config=args.config, model=model, model_arg=list(args.model_args), world=world)
     ns.__dict__.update(small_bytes=SMALL_BUCKET_BYTES, expand=False, strict=False, json=False, environ=environ)
-    _, out, lines = cmd_check(ns)
+    try:
+        _, out, lines = cmd_check(ns)
+    except CliError as exc:
+        if args.model is not None or model is None:
+            raise
+        raise CliError(f"{source} = {model!r}: {exc}") from None
     shape = out["config"]["shape"]
     if shape != "accelerate":
         raise CliError(
             f"{args.config}: a {shape} YAML, not an Accelerate YAML (accelerate launch --config_file needs one: "
             "compute_environment, distributed_type: FSDP, plugin keys under fsdp_config as fsdp_overlap_<key>)"
         )
-    summary = lines[-1] if args.model else "keys valid (no --model: plan not resolved)"
-    print(f"fsdp-overlap launch: {args.config}: {summary}")
+    if out.get("plan") is not None:
+        print(f"fsdp-overlap launch: {args.config}: {lines[-1]}")
+        if args.model is None:
+            print(f"  model: {model} (from {source})")
+    else:
+        print(f"fsdp-overlap launch: {args.config}: keys valid; {NOT_CHECKED}")
     for note in out["config"]["notes"]:
         print(f"  note: {note}")
     for w in out["warnings"]:

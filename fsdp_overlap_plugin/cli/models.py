@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..config import dtype_name, suggest
 from .errors import CliError
 
-__all__ = ["HF_PREFIX", "load_hf_model", "load_model", "parse_model_spec"]
+__all__ = ["HF_PREFIX", "load_hf_model", "load_model", "parse_model_spec", "unaccepted_kwargs"]
 
 
 def _literal(text: str) -> Any:
@@ -101,6 +101,38 @@ def _import(module: str) -> Any:
         raise CliError(f"model: cannot import module {module!r} ({exc}).") from None
 
 
+def _factory(module_name: str, attr: str) -> Any:
+    mod = _import(module_name)
+    factory: Any = mod
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            names = [n for n in dir(factory) if not n.startswith("_") and callable(getattr(factory, n, None))]
+            raise CliError(f"model: {module_name!r} has no attribute {attr!r}.{suggest(part, names)}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise CliError(f"model: {module_name}:{attr} is not callable.")
+    return factory
+
+
+def unaccepted_kwargs(spec: str, names: list[str]) -> list[str] | None:
+    """Which of ``names`` the factory (or class) ``spec`` names takes no keyword argument
+    for; ``[]`` when it takes them all, None when that cannot be told (an ``hf:`` spec, no
+    signature, ``**kwargs``). Imports the module, calls nothing."""
+    if spec.startswith(HF_PREFIX):
+        return None
+    module_name, attr, _, _ = parse_model_spec(spec)
+    try:
+        params = inspect.signature(_factory(module_name, attr)).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None  # **kwargs: only a call tells
+    takes = {
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return [n for n in names if n not in takes]
+
+
 def load_model(spec: str, model_args: list[str] | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """Build the model of ``spec`` on the meta device; return it and a description.
 
@@ -112,15 +144,7 @@ def load_model(spec: str, model_args: list[str] | None = None) -> tuple[nn.Modul
     if spec.startswith(HF_PREFIX):
         return load_hf_model(spec, model_args)
     module_name, attr, args, kwargs = parse_model_spec(spec, model_args)
-    mod = _import(module_name)
-    factory: Any = mod
-    for part in attr.split("."):
-        if not hasattr(factory, part):
-            names = [n for n in dir(factory) if not n.startswith("_") and callable(getattr(factory, n, None))]
-            raise CliError(f"model: {module_name!r} has no attribute {attr!r}.{suggest(part, names)}")
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise CliError(f"model: {module_name}:{attr} is not callable.")
+    factory = _factory(module_name, attr)
     with torch.device("meta"):
         try:
             model = factory(*args, **kwargs)

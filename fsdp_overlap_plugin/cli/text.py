@@ -20,6 +20,7 @@ __all__ = [
     "model_lines",
     "plural",
     "table",
+    "tied_lines",
     "tree_lines",
     "warning_lines",
 ]
@@ -127,14 +128,14 @@ def _run_label(group: list[dict[str, Any]], first: str, last: str) -> str:
 def bucket_lines(rows: list[dict[str, Any]], expand: bool = False) -> list[str]:
     grid = [["bucket", "modules", "params", "storage", "all-gather", "reduce-scatter"]]
     one = lambda r: r["modules"][0] if len(r["modules"]) == 1 else None  # noqa: E731
-    same = ("params", "storage_bytes", "gather_bytes", "reduce_bytes")
+    same = ("params", "storage_bytes", "gather_bytes", "reduce_bytes", "tied")
     for g in _runs(rows, one, lambda r: r["index"], same, expand):
         r = g[0]
         each = "" if len(g) == 1 else " each"
         grid.append(
             [
                 str(r["index"]) if len(g) == 1 else f"{r['index']}-{g[-1]['index']}",
-                _run_label(g, ", ".join(r["modules"]), ", ".join(g[-1]["modules"])),
+                _run_label(g, ", ".join(r["modules"]), ", ".join(g[-1]["modules"])) + (" (tied)" if r["tied"] else ""),
                 f"{r['params']:,}",
                 format_bytes(r["storage_bytes"]) + each,
                 format_bytes(r["gather_bytes"]) + each,
@@ -147,14 +148,14 @@ def bucket_lines(rows: list[dict[str, Any]], expand: bool = False) -> list[str]:
 def tree_lines(tree: list[dict[str, Any]], expand: bool = False) -> list[str]:
     grid = [["module", "type", "params", "storage", "all-gather", "reduce-scatter", "bucket"]]
     name = lambda r: r["fqn"] if r["role"] == "bucket" else None  # noqa: E731
-    same = ("type", "depth", "params", "storage_bytes", "gather_bytes", "reduce_bytes")
+    same = ("type", "depth", "params", "storage_bytes", "gather_bytes", "reduce_bytes", "tied")
     for g in _runs(tree, name, lambda r: r["bucket"], same, expand):
         r = g[0]
         bucket = {"container": "", "unbucketed": "none", "own": "none"}.get(r["role"], str(r["bucket"]))
         each = "" if len(g) == 1 else " each"
         grid.append(
             [
-                "  " * r["depth"] + _run_label(g, r["fqn"], g[-1]["fqn"]),
+                "  " * r["depth"] + _run_label(g, r["fqn"], g[-1]["fqn"]) + (" (tied)" if r.get("tied") else ""),
                 r["type"],
                 f"{r['params']:,}",
                 format_bytes(r["storage_bytes"]) + each,
@@ -164,6 +165,19 @@ def tree_lines(tree: list[dict[str, Any]], expand: bool = False) -> list[str]:
             ]
         )
     return table(grid, right={2, 3, 4, 5, 6}, indent="")
+
+
+def tied_lines(tied: list[dict[str, Any]], where: str = "bucket") -> list[str]:
+    """One line per tied parameter: counted once, where it is gathered and reduced."""
+    out = []
+    for t in tied:
+        home = f"bucket {t['bucket']}" if t["bucket"] is not None else "no bucket (it is unbucketed there)"
+        out.append(
+            f"tied    {' and '.join(t['names'])} {'is' if len(t['names']) == 1 else 'are'} {t['param']} "
+            f"({t['params']:,} parameters): counted once, in {home}, where its first use gathers it and its "
+            f"summed gradient is reduced; rows marked (tied) hold it but do not count it"
+        )
+    return out
 
 
 def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
