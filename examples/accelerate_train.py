@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see the README
+from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see docs/accelerate.md
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 
 # ---- settings (nanoGPT style: edit here) -------------------------------------------

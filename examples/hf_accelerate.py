@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see the README
+from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see docs/accelerate.md
 from fsdp_overlap_plugin.hf import load_config, model_from_config
 from fsdp_overlap_plugin.models import TINY_LLAMA, counting_sequences
 

@@ -1,0 +1,691 @@
+"""README.md stays true: every command and code block in it is run here or by a named test,
+every relative link in it and in the user docs it points to resolves, and it stays short.
+
+* **Commands.** Every line of a ```bash block, and every inline code span that is a
+  command (``python ...``, ``make ...``, ``torchrun ...``, or ``fsdp-overlap`` /
+  ``accelerate`` with at least two arguments, without ``...``), must be a key of
+  ``COMMANDS``; a key the README no longer has is stale. Each one is checked here, in this
+  process, verbatim, in a directory holding the repository's ``configs/`` and ``examples/``
+  and small real files at the README's placeholder paths (``path/to/config.json`` is a
+  2-layer Llama config, ``checkpoints/step_00000100`` a real ``checkpoint.save`` folder,
+  ``my_pkg.model:build`` a small GPT, ``report.json`` the report fixture):
+  ``fsdp-overlap inspect / check / explain / export`` run to the end; ``fsdp-overlap launch``
+  runs its check and stops where it would start ``accelerate launch`` (what it would start
+  is parsed by Accelerate's parser); ``torchrun`` and ``accelerate launch`` lines are parsed
+  by their own parsers (``torch.distributed.run.get_args_parser``,
+  ``accelerate.commands.launch.launch_command_parser``), their config files read by the
+  runtime's reader, and their scripts' arguments by the script's own ``argparse``;
+  ``python examples/lightning_gpt.py ...`` runs the script's ``main`` up to
+  ``Trainer.fit``; ``make`` targets are read from the Makefile (``demo``'s recipe is
+  checked as a torchrun line). A command that trains on several ranks is also mapped to
+  the test that runs it for real (``Real``): that test must exist and name the command's
+  script and flags.
+* **Code blocks.** Every ```python block must match one entry of ``PYTHON_BLOCKS``, which
+  runs it on CPU in this process (a fake process group of 2 ranks where it needs one,
+  ``backend: aot_eager`` for speed) or, where it needs a launcher, imports what it imports
+  and names the test that runs it. ```yaml blocks are checked by ``fsdp-overlap check``,
+  ```text blocks (output samples) are not run, and any other block fails.
+
+Adding a command or a block to the README without saying here what runs it fails CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MAX_README_BYTES = 12 * 1024
+# The user docs the README sends people to (written with it); their links are checked too.
+USER_DOCS = [
+    "docs/lightning.md",
+    "docs/accelerate.md",
+    "docs/transformers.md",
+    "docs/export.md",
+    "docs/torchrun.md",
+    "docs/performance.md",
+    "docs/torch-versions.md",
+    "docs/tuning.md",
+]
+PROGRAMS = ("make", "python", "torchrun", "accelerate", "fsdp-overlap")
+FIXTURE_REPORT = ROOT / "tests" / "fixtures" / "cli" / "report.json"
+
+
+# ----------------------------------------------------------------------------- reading markdown
+def strip_fences(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """``(text outside fenced blocks, [(language, body)])``."""
+    outside, blocks, lines = [], [], iter(text.splitlines())
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            lang, body = line.strip()[3:].strip(), []
+            for inner in lines:
+                if inner.strip() == "```":
+                    break
+                body.append(inner)
+            else:
+                raise AssertionError(f"unclosed ``` block: {line!r}")
+            blocks.append((lang, "\n".join(body)))
+            outside.append("")
+        else:
+            outside.append(line)
+    return "\n".join(outside), blocks
+
+
+def bash_lines(body: str) -> list[str]:
+    """The commands of a bash block: continuations joined, comments and blank lines dropped."""
+    out = []
+    for line in body.replace("\\\n", " ").splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv:
+            out.append(" ".join(argv))
+    return out
+
+
+def inline_commands(prose: str) -> list[str]:
+    prose = re.sub(r"<!--.*?-->", "", prose, flags=re.S)
+    found = []
+    for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", prose):
+        try:
+            argv = shlex.split(span)
+        except ValueError:
+            continue
+        if not argv or argv[0] not in PROGRAMS or "..." in span:
+            continue
+        if argv[0] in ("make", "python", "torchrun") or len(argv) >= 3:
+            found.append(" ".join(argv))
+    return found
+
+
+def readme_parts() -> tuple[list[str], list[tuple[str, str]]]:
+    """``(commands, [(language, body)] of the non-bash blocks)``, in README order, commands once."""
+    prose, blocks = strip_fences(README.read_text())
+    commands: list[str] = []
+    for lang, body in blocks:
+        if lang in ("bash", "sh", "shell"):
+            commands += bash_lines(body)
+    commands += inline_commands(prose)
+    return list(dict.fromkeys(commands)), [(lang, body) for lang, body in blocks if lang not in ("bash", "sh", "shell")]
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: markup removed, lowercased, punctuation other than
+    ``-`` and ``_`` dropped, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = text.replace("`", "").replace("*", "")
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    prose, _ = strip_fences(path.read_text())
+    seen: dict[str, int] = {}
+    out = set()
+    for match in re.finditer(r"^#{1,6} +(.+?) *#*$", prose, flags=re.M):
+        base = github_anchor(match.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: Path) -> list[str]:
+    prose, _ = strip_fences(path.read_text())
+    prose = re.sub(r"<!--.*?-->", "", prose, flags=re.S)
+    prose = re.sub(r"(?<!`)`[^`\n]+`(?!`)", "", prose)  # code spans are not links
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose)
+
+
+# ----------------------------------------------------------------------------- size and links
+def test_readme_is_short():
+    size = len(README.read_bytes())
+    assert size < MAX_README_BYTES, f"README.md is {size} bytes; keep it under {MAX_README_BYTES}: move detail to docs/"
+
+
+@pytest.mark.parametrize("doc", ["README.md", *USER_DOCS])
+def test_relative_links_resolve(doc):
+    source = ROOT / doc
+    broken = []
+    for target in links(source):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (source.parent / path).resolve() if path else source
+        relative = resolved.relative_to(ROOT).as_posix() if resolved.is_relative_to(ROOT) else str(resolved)
+        if not resolved.exists():
+            broken.append(f"{target}: no file {relative}")
+            continue
+        if anchor and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {relative}")
+    assert broken == [], f"{doc}: " + "; ".join(broken)
+
+
+def test_readme_points_at_the_user_docs_and_the_reference():
+    text = README.read_text()
+    for page in [*USER_DOCS, "docs/architecture.md", "docs/config.md", "docs/troubleshooting.md", "docs/report.md"]:
+        assert f"]({page}" in text, f"README.md does not link {page}"
+
+
+def test_github_anchor_rules():
+    assert github_anchor("`--config` or `--config_file`") == "--config-or---config_file"
+    assert github_anchor("The forward/backward boundary: keeping (2026-12-02, later)") == (
+        "the-forwardbackward-boundary-keeping-2026-12-02-later"
+    )
+    assert github_anchor("7. Activation checkpointing") == "7-activation-checkpointing"
+
+
+# ----------------------------------------------------------------------------- the sandbox
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """Real files at the README's placeholder paths (built once)."""
+    import _hf
+
+    from fsdp_overlap_plugin import checkpoint
+
+    root = tmp_path_factory.mktemp("readme_assets")
+    _hf.config("llama").save_pretrained(root / "path" / "to")  # path/to/config.json
+    model = _hf.build("llama", seed=3)
+    checkpoint.save(root / "checkpoints", model, torch.optim.SGD(model.parameters(), lr=0.1), step=100)
+    assert (root / "checkpoints" / "step_00000100").is_dir()
+    shutil.copy(FIXTURE_REPORT, root / "report.json")
+    (root / "my_pkg").mkdir()
+    (root / "my_pkg" / "__init__.py").write_text("")
+    (root / "my_pkg" / "model.py").write_text(
+        "from fsdp_overlap_plugin.models import gpt_small\n\n\ndef build():\n    return gpt_small()\n"
+    )
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, root / "weights.pt")
+    return root
+
+
+@pytest.fixture
+def sandbox(tmp_path, assets, monkeypatch) -> Path:
+    """The working directory a README command runs in: the repository's configs/ and
+    examples/, the placeholder files, nothing else; no launcher variables inherited."""
+    for name in ("configs", "examples"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    for name in ("path", "checkpoints", "report.json", "my_pkg"):
+        (tmp_path / name).symlink_to(assets / name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_", "FSDP_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    return tmp_path
+
+
+# ----------------------------------------------------------------------------- the commands
+@dataclasses.dataclass(frozen=True)
+class Here:
+    """Fully checked by ``check_command`` in this file."""
+
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Real:
+    """Also run for real (several ranks) by ``test``, ``file::function``; ``also`` are more
+    ``file`` or ``file::function`` sources (helpers, fixtures) where the command's script
+    and flags may be written. ``tokens`` replaces the ones read from the command, with
+    ``why``."""
+
+    test: str
+    also: tuple[str, ...] = ()
+    tokens: tuple[str, ...] | None = None
+    why: str = ""
+
+
+ACCELERATE_REAL = Real(
+    "tests/test_accelerate_launch.py::test_the_real_launch_command_and_fsdp_overlap_launch",
+    also=("tests/_accelerate.py",),
+)
+COMMANDS: dict[str, Here | Real] = {
+    "make demo": Real(
+        "tests/test_readme.py::test_the_demo_trains_on_2_ranks_and_its_report_explains",
+        tokens=("gpt_demo", "--nproc-per-node"),
+        why="a make target: the test reads the recipe (torchrun ... examples/gpt_demo.py) and runs it",
+    ),
+    "make test": Here("runs pytest: this file is part of what it runs"),
+    "make test-quick": Here("runs pytest -m 'not slow'"),
+    "python examples/lightning_gpt.py": Real(
+        "tests/test_lightning_trainer.py::test_plain_string_inductor_matches_core",
+        also=("tests/test_lightning_trainer.py::_plain_string", "tests/_lightning.py::trainer"),
+        tokens=('strategy="fsdp_overlap"', 'accelerator="cpu"', "devices=2"),
+        why="main() is run here up to Trainer.fit; that test fits the same Trainer settings on 2 ranks",
+    ),
+    "python examples/lightning_gpt.py fit --config configs/lightning.yaml": Real(
+        "tests/test_lightning_trainer.py::test_lightning_cli_yaml_matches_core",
+        also=("tests/test_lightning_trainer.py::_lightning_cli",),
+    ),
+    "accelerate launch --config_file configs/overlap.yaml --num_processes 2 examples/accelerate_train.py": (
+        ACCELERATE_REAL
+    ),
+    "fsdp-overlap launch --config configs/overlap.yaml --num_processes 2 examples/accelerate_train.py": (
+        ACCELERATE_REAL
+    ),
+    "fsdp-overlap export checkpoints/step_00000100 trained/ --model hf:path/to/config.json": Here(),
+    "fsdp-overlap inspect fsdp_overlap_plugin.models.gpt:gpt_1b": Here(),
+    "fsdp-overlap inspect hf:path/to/config.json --world 8": Here(),
+    "fsdp-overlap check configs/overlap.yaml --model my_pkg.model:build": Here(),
+    "fsdp-overlap explain report.json": Here("on tests/fixtures/cli/report.json; the demo test explains a real one"),
+    "python benchmarks/gpu_check.py": Real(
+        "tests/test_gpu_check.py::test_without_cuda_a_real_run_exits_2_before_anything",
+        also=("tests/test_gpu_check.py",),
+        why="needs a CUDA GPU: parsed here; on a CPU that test runs it and sees it stop with exit 2",
+    ),
+}
+README_COMMANDS, README_BLOCKS = readme_parts()
+
+
+def test_every_readme_command_is_accounted_for():
+    missing = [c for c in README_COMMANDS if c not in COMMANDS]
+    assert missing == [], (
+        f"README commands no test accounts for: {missing}. Add each to COMMANDS in tests/test_readme.py "
+        "(checked here, and the test that runs it for real if it trains)"
+    )
+    stale = [c for c in COMMANDS if c not in README_COMMANDS]
+    assert stale == [], f"COMMANDS entries no longer in README.md: {stale}"
+
+
+def _function_source(spec: str) -> str:
+    file, _, name = spec.partition("::")
+    text = (ROOT / file).read_text()
+    if not name:
+        return text
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return ast.get_source_segment(text, node) or ""
+    raise AssertionError(f"{spec}: no function {name} in {file}")
+
+
+def _tokens(command: str) -> list[str]:
+    """What a test running ``command`` must write: its scripts (by stem) and file arguments,
+    its flags, and its subcommands."""
+    argv = shlex.split(command)
+    out = []
+    for arg in argv[1:]:
+        if arg.endswith(".py"):
+            out.append(Path(arg).stem)
+        elif arg.startswith("-"):
+            out.append(arg.split("=")[0])
+        elif "/" in arg or re.fullmatch(r"[a-z][\w-]*", arg):
+            out.append(arg)
+    return out
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if isinstance(COMMANDS[c], Real)])
+def test_the_test_that_runs_it_exists_and_runs_it(command):
+    real = COMMANDS[command]
+    assert isinstance(real, Real)
+    file, _, name = real.test.partition("::")
+    assert name.startswith("test_"), real.test
+    sources = "\n".join(_function_source(spec) for spec in (real.test, *real.also))
+    tokens = real.tokens if real.tokens is not None else _tokens(command)
+    if real.tokens is not None:
+        assert real.why, f"{command}: tokens given without saying why"
+    absent = [t for t in tokens if t not in sources]
+    assert absent == [], f"{real.test} (and {real.also}) never write {absent} of: {command}"
+
+
+# --- how each program's line is checked
+def script_parser(script: Path) -> argparse.ArgumentParser:
+    """The script's own ``argparse`` parser, rebuilt from its source (the script itself starts
+    ranks or trains when run): ``parser = argparse.ArgumentParser(...)`` and every
+    ``parser.add_argument(...)``, wherever they are, with the module's literal constants."""
+    text = script.read_text()
+    tree = ast.parse(text)
+    namespace: dict = {"argparse": argparse, "__doc__": ast.get_docstring(tree)}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            with contextlib.suppress(ValueError, SyntaxError):
+                namespace[node.targets[0].id] = ast.literal_eval(node.value)
+    statements = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["parser"]:
+            statements.append(node)
+        elif isinstance(node, ast.Expr) and ast.unparse(node.value).startswith("parser.add_argument("):
+            statements.append(node)
+    statements.sort(key=lambda n: n.lineno)
+    assert statements and ast.unparse(statements[0]).startswith("parser = argparse.ArgumentParser("), script
+    exec(compile(ast.Module(body=statements, type_ignores=[]), str(script), "exec"), namespace)
+    return namespace["parser"]
+
+
+def parse_script(script: str, args: list[str]) -> None:
+    path = Path(script)
+    assert path.is_file(), f"no script {script}"
+    if path.as_posix() == "examples/lightning_gpt.py":
+        return  # LightningCLI, run by check_lightning_gpt
+    parser = script_parser(path)
+    try:
+        parser.parse_args(args)
+    except SystemExit as exc:
+        raise AssertionError(f"{script} refuses {args}") from exc
+
+
+def check_torchrun(argv: list[str]) -> None:
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv[1:])
+    assert args.nproc_per_node and args.standalone, argv
+    parse_script(args.training_script, args.training_script_args)
+
+
+def check_accelerate(argv: list[str], capsys) -> None:
+    from accelerate.commands.launch import launch_command_parser
+
+    from fsdp_overlap_plugin.cli import main
+
+    assert argv[1] == "launch", argv
+    args = launch_command_parser().parse_args(argv[2:])
+    assert args.config_file and Path(args.config_file).is_file(), argv
+    # the config as the workers' prepare() will read it (fsdp-overlap check uses that reader)
+    assert main(["check", args.config_file, "--json"]) == 0, capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["config"]["shape"] == "accelerate"
+    parse_script(args.training_script, args.training_script_args)
+
+
+def check_make(argv: list[str]) -> None:
+    target = argv[1]
+    makefile = (ROOT / "Makefile").read_text()
+    found = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", makefile, flags=re.M)
+    assert found, f"no Makefile target {target}"
+    recipe = [line.strip() for line in found.group(1).splitlines()]
+    if target == "demo":
+        (line,) = recipe
+        assert line.startswith("$(BIN)/torchrun "), line
+        check_torchrun(shlex.split(line.replace("$(BIN)/", "")))
+    else:
+        assert any("-m pytest" in line for line in recipe), recipe
+
+
+def check_lightning_gpt(args: list[str], monkeypatch) -> None:
+    """``python examples/lightning_gpt.py ARGS``: the script's ``main`` with ``Trainer.fit``
+    recorded instead of run (it would start a second rank)."""
+    from lightning.pytorch import Trainer
+
+    from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
+
+    fits = []
+    monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: fits.append(self))
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setattr(sys, "argv", ["examples/lightning_gpt.py", *args])
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    import lightning_gpt
+
+    threads = torch.get_num_threads()
+    try:
+        lightning_gpt.main()
+    finally:
+        torch.set_num_threads(threads)
+    (trainer,) = fits
+    assert isinstance(trainer.strategy, FSDPOverlapStrategy)
+
+
+def check_fsdp_overlap(argv: list[str], capsys, monkeypatch, sandbox: Path) -> None:
+    from accelerate.commands.launch import launch_command_parser
+
+    from fsdp_overlap_plugin.cli import launch, main
+
+    if argv[1] == "launch":
+        started = []
+        monkeypatch.setattr(launch, "_run", lambda cmd, env: started.append(cmd) or 0)
+        code = main(argv[1:])
+        out, err = capsys.readouterr()
+        assert code == 0, out + err
+        (cmd,) = started
+        assert cmd[1:3] == ["-m", "accelerate.commands.launch"], cmd
+        args = launch_command_parser().parse_args(cmd[3:])  # what it starts, as Accelerate reads it
+        parse_script(args.training_script, args.training_script_args)
+        return
+    code = main([*argv[1:], "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    result = json.loads(out.splitlines()[-1])
+    if argv[1] == "export":
+        check_export(Path(argv[3]), result)
+
+
+def check_export(folder: Path, result: dict) -> None:
+    """The exported folder loads with plain from_pretrained and holds the checkpoint's weights."""
+    import transformers
+
+    assert folder.is_dir(), result
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    saved = torch.load(Path("checkpoints").resolve().parent / "weights.pt")
+    state = model.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.parametrize("command", README_COMMANDS)
+def test_readme_command_works(command, sandbox, capsys, monkeypatch):
+    assert command in COMMANDS, f"{command}: not in COMMANDS (see test_every_readme_command_is_accounted_for)"
+    argv = shlex.split(command)
+    program = argv[0]
+    if program == "make":
+        check_make(argv)
+    elif program == "torchrun":
+        check_torchrun(argv)
+    elif program == "accelerate":
+        check_accelerate(argv, capsys)
+    elif program == "fsdp-overlap":
+        check_fsdp_overlap(argv, capsys, monkeypatch, sandbox)
+    elif program == "python" and argv[1] == "examples/lightning_gpt.py":
+        check_lightning_gpt(argv[2:], monkeypatch)
+    elif program == "python" and argv[1] == "benchmarks/gpu_check.py":
+        from _cuda import gpu_check
+
+        gpu_check().parse_args(argv[2:])
+    elif program == "python":
+        parse_script(argv[1], argv[2:])
+    else:
+        raise AssertionError(f"{command}: no way to check a {program} command here")
+
+
+@pytest.mark.slow
+def test_the_demo_trains_on_2_ranks_and_its_report_explains(tmp_path, capsys):
+    """``make demo``'s recipe for real (aot_eager here, to keep CI short; inductor is the
+    default and is trained by the other end-to-end tests), then ``fsdp-overlap explain``
+    on the report it writes."""
+    from fsdp_overlap_plugin.cli import main
+
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^demo:.*\n\t(.*)\n", makefile, flags=re.M).group(1)
+    argv = shlex.split(recipe.replace("$(BIN)/torchrun", f"{sys.executable} -m torch.distributed.run"))
+    assert argv[-1] == "examples/gpt_demo.py" and "--nproc-per-node" in argv
+    report = tmp_path / "report.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [*argv, "--backend", "aot_eager", "--report-json", str(report)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)", proc.stdout, flags=re.M)]
+    assert len(losses) == 8 and losses[-1] < losses[0], proc.stdout
+    assert main(["explain", str(report)]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+# ----------------------------------------------------------------------------- the code blocks
+def _aot_eager(monkeypatch) -> None:
+    """Every ``parallelize`` call compiles with aot_eager (seconds, not minutes, on 2 cores)."""
+    import fsdp_overlap_plugin as fo
+
+    real = fo.parallelize
+
+    def fast(model, config=None, **overrides):
+        return real(model, config, **{"backend": "aot_eager", **overrides})
+
+    monkeypatch.setattr(fo, "parallelize", fast)
+
+
+def _run(code: str, namespace: dict) -> dict:
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace
+
+
+def run_core_loop(code: str, monkeypatch, capsys) -> None:
+    from _fake import fake_world
+
+    from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+
+    _aot_eager(monkeypatch)
+    with fake_world(2):
+        ns = _run(
+            code,
+            {
+                "MyTransformer": lambda: gpt_small(n_layer=2, d_model=32, block_size=16),
+                "batches": fixed_batches(2, 4, 16, 256),
+                "loss_fn": loss_fn,
+            },
+        )
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in ns["model"].parameters())
+    assert capsys.readouterr().out.strip()  # the report was printed
+
+
+def run_transformers(code: str, monkeypatch, capsys) -> None:
+    import _hf
+    import transformers
+    from _fake import fake_world
+
+    import fsdp_overlap_plugin as fo
+
+    _aot_eager(monkeypatch)
+    with fake_world(2):
+        ns = _run(
+            code, {"transformers": transformers, "fo": fo, "config": _hf.config("llama"), "ids": _hf.batches(1, 2)[0]}
+        )
+        assert math.isfinite(ns["loss"].item())
+        ns["loss"].backward()
+        plan = fo.schedule_report(ns["model"])["plan"]
+    assert len(plan) == 2 + 2  # embedding, 2 decoder layers, norm + head
+    assert ["model.layers.0"] in plan
+
+
+def run_lightning(code: str, monkeypatch, capsys) -> None:
+    from lightning.pytorch import Trainer
+
+    from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy, config_for_precision
+
+    fits = []
+    monkeypatch.setattr(Trainer, "fit", lambda self, model, *a, **k: fits.append((self, model)))
+    model = object()
+    ns = _run(code, {"model": model})
+    ((trainer, fitted),) = fits
+    assert fitted is model and isinstance(trainer.strategy, FSDPOverlapStrategy)
+    # what the strategy gathers and reduces in once it sets up, under the Trainer's precision
+    config = config_for_precision(trainer.strategy.overlap_config, trainer.precision)
+    assert (config.param_dtype, config.reduce_dtype) == ("bf16", "fp32")
+    assert ns["trainer"] is trainer
+
+
+def run_export(code: str, monkeypatch, capsys) -> None:
+    import _hf
+    import transformers
+
+    import fsdp_overlap_plugin as fo
+
+    model = _hf.build("llama", seed=5)
+    _run(code, {"fo": fo, "model": model})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained("trained/")
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def imports_only(real: str) -> Callable:
+    """A block that needs a launcher: what it imports must exist; ``real`` runs it."""
+
+    def check(code: str, monkeypatch, capsys) -> None:
+        tree = ast.parse(code)
+        imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        assert imports, "nothing to check"
+        exec(compile(ast.Module(body=imports, type_ignores=[]), "README.md", "exec"), {})
+        assert _function_source(real)
+
+    return check
+
+
+def run_yaml(code: str, monkeypatch, capsys) -> None:
+    """The tuning YAML as both of its comment's readers take it."""
+    from fsdp_overlap_plugin.cli import main
+    from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
+
+    Path("tuned.yaml").write_text(code)
+    assert main(["check", "tuned.yaml", "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--json"]) == 0, (
+        capsys.readouterr()
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["shape"] == "plugin"
+    strategy = FSDPOverlapStrategy(config="tuned.yaml")
+    assert strategy.overlap_config.to_dict() == {**strategy.overlap_config.to_dict(), **yaml.safe_load(code)}
+
+
+# (language, a line the block holds) -> how it runs
+PYTHON_BLOCKS: dict[tuple[str, str], Callable] = {
+    ("python", 'trainer = Trainer(strategy="fsdp_overlap"'): run_lightning,
+    ("python", "from fsdp_overlap_plugin.accelerate import prepare"): imports_only(
+        "tests/test_accelerate_launch.py::test_the_real_launch_command_and_fsdp_overlap_launch"
+    ),
+    ("python", "fo.init_process_group()"): run_core_loop,
+    ("python", "AutoModelForCausalLM.from_config(config)"): run_transformers,
+    ("python", 'fo.save_pretrained(model, "trained/")'): run_export,
+    ("yaml", "bucket_plans: auto"): run_yaml,
+}
+
+
+def _block_id(block: tuple[str, str]) -> str:
+    lang, body = block
+    return f"{lang}:{body.strip().splitlines()[0][:40]}" if body.strip() else lang
+
+
+@pytest.mark.parametrize("block", README_BLOCKS, ids=_block_id)
+def test_readme_code_block_works(block, sandbox, monkeypatch, capsys):
+    lang, body = block
+    if lang == "text":
+        return  # an output sample
+    assert lang in ("python", "yaml"), f"a ```{lang} block: label it bash, python, yaml or text (output)"
+    if lang == "python":
+        ast.parse(body)
+    runners = [run for (kind, marker), run in PYTHON_BLOCKS.items() if kind == lang and marker in body]
+    assert len(runners) == 1, f"say in PYTHON_BLOCKS how this block is run ({len(runners)} entries match):\n{body}"
+    runners[0](body, monkeypatch, capsys)
+
+
+def test_inline_strategy_expressions_build(monkeypatch):
+    """The README's inline ``FSDPOverlapStrategy(...)`` examples construct, from the repository root."""
+    from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
+
+    monkeypatch.chdir(ROOT)
+    prose, _ = strip_fences(README.read_text())
+    spans = re.findall(r"`(FSDPOverlapStrategy\([^`]*\))`", prose)
+    assert spans, "the README shows the strategy with settings"
+    for span in spans:
+        assert isinstance(eval(span, {"FSDPOverlapStrategy": FSDPOverlapStrategy}), FSDPOverlapStrategy), span
+
+
+def test_every_block_entry_is_used():
+    bodies = [body for lang, body in README_BLOCKS]
+    unused = [key for key in PYTHON_BLOCKS if not any(key[1] in b for b in bodies)]
+    assert unused == [], f"PYTHON_BLOCKS entries no README block matches: {unused}"
