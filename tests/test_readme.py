@@ -524,8 +524,15 @@ def test_the_demo_trains_on_2_ranks_and_its_report_explains(tmp_path, capsys):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)", proc.stdout, flags=re.M)]
     assert len(losses) == 8 and losses[-1] < losses[0], proc.stdout
+    # the summary opens in plain words; its details follow
+    assert "\nfsdp-overlap summary: 2 ranks, compiled with aot_eager, both passes on\n" in proc.stdout
+    assert "  buckets: 6 (tok_emb + pos_emb; blocks.0 to blocks.3, one each; norm + head)" in proc.stdout
+    assert "details (every term is explained in docs/report.md):" in proc.stdout
     assert main(["explain", str(report)]) == 0
-    assert capsys.readouterr().out.strip()
+    explained = capsys.readouterr().out
+    # every backward bucket's reduce-scatter is shown as what ran, never as nothing
+    assert explained.count("(reduce-scatter, sent as all-to-all)") == 6, explained
+    assert "none" not in explained.split("backward", 1)[1], explained
 
 
 # ----------------------------------------------------------------------------- the code blocks
