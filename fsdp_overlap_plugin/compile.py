@@ -45,7 +45,8 @@ import torch.nn as nn
 
 from . import _torch_compat as compat
 from . import passes
-from .config import OverlapConfig
+from .config import OverlapConfig, OverlapConfigError
+from .messages import CompileProgress
 from .passes.events import graph_events
 from .passes.graph import collective_counts
 from .records import load_graph_records, record_name, save_record, summarize_pass
@@ -330,7 +331,7 @@ def _inner_backend(state: OverlapState):
     return aot_eager_backend(state)
 
 
-def overlap_backend(state: OverlapState):
+def overlap_backend(state: OverlapState, progress: CompileProgress | None = None):
     """The backend given to ``torch.compile``: rank check, compile, compile agreement.
 
     Dynamo calls it for every graph on every rank (also when inductor's caches hit), so
@@ -347,6 +348,8 @@ def overlap_backend(state: OverlapState):
         state.dynamo_graphs += 1
         index = state.dynamo_graphs
         reason = _recompile_reason(state)
+        if progress is not None:
+            progress.graph_started(reason)  # rank 0: "compiling the model again (...)", a few times at most
         # keys unique per model and torchrun attempt (a restart may reuse the store)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         agreement = RankAgreement.default(
@@ -744,16 +747,18 @@ def _warn_graph_breaks(model: nn.Module, state: OverlapState, graphs: int, recor
     )
 
 
-def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
+def _install_call_guard(model: nn.Module, state: OverlapState, progress: CompileProgress | None = None) -> None:
     """Wrap the compiled forward: graph breaks under fullgraph become a clear error; an
     agreed compile failure switches to the eager forward; graph breaks under
-    fullgraph: false are reported once."""
+    fullgraph: false are reported once. ``progress``: rank 0's lines about compiling."""
     compiled = model._compiled_call_impl
+    progress = progress or CompileProgress(state)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         first = not state.called
         graphs_before, records_before = state.dynamo_graphs, len(state.records)
         state.guard_counts = compat.guard_failure_counts()
+        progress.call_started(first)
         try:
             out = compiled(*args, **kwargs)
         except Exception as exc:
@@ -761,6 +766,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
             if fallback is not None:
                 state.fallback = str(fallback)
                 model._compiled_call_impl = None  # from now on nn.Module runs the eager forward
+                progress.call_finished(fallback=True)
                 warnings.warn(
                     f"fsdp-overlap: compilation failed ({state.fallback[:_WARNING_CHARS]}); on_compile_error: eager, so "
                     "every rank now runs the sharded model uncompiled: same numerics, collectives gathered "
@@ -770,8 +776,18 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
                 return model._call_impl(*args, **kwargs)
             from .ranks import RankMismatchError, RankTimeoutError
 
+            progress.announced = False  # no "compiled in" line after a failure
             ours = _find(
-                exc, (RankMismatchError, RankTimeoutError, PeerCompileError, UnbucketedError, RecompileLimitError)
+                exc,
+                (
+                    RankMismatchError,
+                    RankTimeoutError,
+                    PeerCompileError,
+                    UnbucketedError,
+                    RecompileLimitError,
+                    OverlapConfigError,  # a configuration error found while compiling
+                    compat.TorchFeatureError,  # a feature this torch lacks, found while compiling
+                ),
             )
             if ours is not None:
                 raise ours from None  # our message, not Dynamo's wrapper around it
@@ -794,6 +810,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState) -> None:
                     recompile_limit_message(state) + " With fullgraph: false Dynamo now runs it uncompiled.",
                     stacklevel=2,
                 )
+        progress.call_finished()
         if first:
             state.called = True
             graphs = state.dynamo_graphs - graphs_before
@@ -808,6 +825,7 @@ def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:
     """Compile ``model`` in place (``module.compile``: hooks, names and state-dict keys
     stay as they are; no ``_orig_mod`` wrapper)."""
     dynamic = {"auto": None}.get(state.config.dynamic, state.config.dynamic)  # torch.compile's meaning
-    model.compile(backend=overlap_backend(state), fullgraph=state.config.fullgraph, dynamic=dynamic)
-    _install_call_guard(model, state)
+    progress = CompileProgress(state)
+    model.compile(backend=overlap_backend(state, progress), fullgraph=state.config.fullgraph, dynamic=dynamic)
+    _install_call_guard(model, state, progress)
     return model

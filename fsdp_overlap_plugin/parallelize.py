@@ -13,12 +13,18 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .config import OverlapConfig, OverlapConfigError
 from .exchange import build_receive_first_group, exchanges_run
 from .export import install_save_pretrained
+from .messages import install_excepthook
 from .passes.plan_index import BucketIndex
 from .preflight import preflight
 from .sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
 from .state import _STATE_ATTR, OverlapState, local_layout, model_fingerprint
 
 __all__ = ["parallelize", "unbucketed_parameters"]
+
+# A configuration error that reaches the top of a rank uncaught is printed once, short
+# (messages.py); installed on import (errors before any process group) and again in
+# parallelize (init_process_group wraps the hook it finds in its own).
+install_excepthook()
 
 # Counts the models prepared in this process. Every rank prepares the same models in the
 # same order, so it tells apart the rank-agreement rounds of two models with one config.
@@ -64,6 +70,7 @@ def parallelize(
     with ``compile: true``, its forward is compiled with the passes installed. With
     ``compile: false`` it is wrapped the eager FSDP2 way (``fully_shard`` per bucket).
     """
+    install_excepthook()  # outermost again, over init_process_group's
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         overrides["mesh"] = mesh  # the config field (a dict / MeshConfig), not a DeviceMesh
         mesh = None

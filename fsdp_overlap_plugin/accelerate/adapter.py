@@ -42,6 +42,7 @@ from .. import accelerators
 from ..config import OverlapConfig, OverlapConfigError
 from ..export import full_state_dict
 from ..initialize import materialize
+from ..messages import install_excepthook
 from ..parallelize import parallelize
 from ..preflight import preflight
 from ..sharding import build_mesh, gather_disabled, is_sharded
@@ -93,7 +94,9 @@ def configure(
 ) -> Resolved:
     """The pure first half of ``prepare``: this worker's configuration (``load_config``)
     checked against ``model`` (plan, checkpointed modules) with the key spelled as the
-    user's file spells it. Every rank raises the same error here, before any collective."""
+    user's file spells it. Every rank raises the same error here, before any collective
+    (uncaught, it is printed once and short: ``messages.install_excepthook``)."""
+    install_excepthook()  # outermost, over the hook init_process_group installed in Accelerator()
     resolved = load_config(accelerator, config, model=model, environ=environ, **overrides)
     try:
         preflight(model, resolved.config)

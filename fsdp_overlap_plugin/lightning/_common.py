@@ -21,6 +21,7 @@ import torch.nn as nn
 from .. import accelerators
 from ..config import OverlapConfig, OverlapConfigError, suggest
 from ..initialize import materialize
+from ..messages import install_excepthook
 from ..parallelize import parallelize
 from ..sharding import is_sharded
 from ..state import get_state
@@ -75,8 +76,10 @@ def precision_of(plugin: Any) -> str:
 def build_config(config: OverlapConfig | dict | str | None, overrides: dict[str, Any]) -> OverlapConfig:
     """The user's config: a file/dict/object plus keyword arguments that are not None.
 
-    Validated here, at construction, so a wrong key fails before any process starts.
+    Validated here, at construction, so a wrong key fails before any process starts
+    (and, uncaught, is printed once and short: ``messages.install_excepthook``).
     """
+    install_excepthook()
     unknown = [k for k in overrides if k not in CONFIG_FIELDS]
     if unknown:
         key = unknown[0]

@@ -26,6 +26,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from ..config import OverlapConfig, OverlapConfigError
+from ..messages import install_excepthook
 from ..report import format_report, schedule_report
 from ..sharding import build_mesh
 from ._common import (
@@ -132,6 +133,7 @@ class FabricStrategyMixin(StrategyBase):
         # Not ModelParallelStrategy.setup_environment: its (data, tensor) mesh is not ours.
         self.accelerator.setup_device(self.root_device)
         self._setup_distributed()  # seed, ranks, process group
+        install_excepthook()  # outermost again, over init_process_group's (messages.py)
         self._device_mesh = build_mesh(self._config, self.root_device.type)
         _warn_if_npu_unused(self.root_device)
 

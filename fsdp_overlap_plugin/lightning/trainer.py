@@ -33,6 +33,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from .. import accelerators
 from ..config import OverlapConfig
+from ..messages import install_excepthook
 from ..report import format_report, schedule_report
 from ..sharding import build_mesh
 from ..state import get_state
@@ -152,6 +153,7 @@ class TrainerStrategyMixin(StrategyBase):
         self._config = config_for_precision(self._user_config, precision_of(self.precision_plugin))
         self._align_precision_device()
         self._setup_distributed()  # device, seed, ranks, process group
+        install_excepthook()  # outermost again, over init_process_group's (messages.py)
         self._device_mesh = build_mesh(self._config, self.root_device.type)
         # configure_model() may read it, as with ModelParallelStrategy.
         self.lightning_module._device_mesh = self._device_mesh
