@@ -528,6 +528,16 @@ def test_the_demo_trains_on_2_ranks_and_its_report_explains(tmp_path, capsys):
     assert "\nfsdp-overlap summary: 2 ranks, compiled with aot_eager, both passes on\n" in proc.stdout
     assert "  buckets: 6 (tok_emb + pos_emb; blocks.0 to blocks.3, one each; norm + head)" in proc.stdout
     assert "details (every term is explained in docs/report.md):" in proc.stdout
+    # the README's sample of the summary is what the demo prints (numbers aside; the
+    # sample is inductor's, this run aot_eager's)
+    sample = re.search(r"```text\n(.*?)```", README.read_text(), flags=re.S).group(1).splitlines()
+    summary = sample[sample.index("fsdp-overlap summary: 2 ranks, compiled with inductor, both passes on") :]
+    summary = summary[: summary.index("details (every term is explained in docs/report.md):") + 1]
+    printed = proc.stdout.splitlines()
+    for line in summary:
+        pattern = re.escape(line.replace("inductor", "aot_eager"))
+        pattern = re.sub(r"\d+(?:\\\.\d+)?", r"[\\d.]+", pattern)  # 3\.6 -> [\d.]+
+        assert any(re.fullmatch(pattern, p) for p in printed), (line, pattern)
     assert main(["explain", str(report)]) == 0
     explained = capsys.readouterr().out
     # every backward bucket's reduce-scatter is shown as what ran, never as nothing
