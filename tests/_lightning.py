@@ -228,3 +228,32 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def close(a: list[float], b: list[float], rel: float = 1e-5, abs_: float = 1e-6) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=rel, abs_tol=abs_) for x, y in zip(a, b))
+
+
+def trainer_script(strategy: str, *, n_layer: int, rows: int, max_steps: int) -> str:
+    """A script that trains a tiny GPT with ``Trainer(accelerator="cpu", devices=2,
+    strategy=<strategy>)``, as a user writes one: run as ``python script.py``, Lightning
+    starts the second rank by re-running it. ``strategy`` is the expression in the script."""
+    return f"""
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
+from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+torch.set_num_threads(1)
+
+class Lit(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = gpt_small(n_layer={n_layer}, d_model=32, vocab_size=64, block_size=16)
+    def training_step(self, batch, i):
+        return loss_fn(self.model(batch[0]), batch[1])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+x, y = fixed_batches(1, {rows}, 16, 64)[0]
+strategy = {strategy}
+trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps={max_steps}, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+trainer.fit(Lit(), DataLoader(TensorDataset(x, y), batch_size=2))
+"""

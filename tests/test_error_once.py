@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _accelerate import OVERLAP_YAML, accelerate_launch, launch_env, output
+from _lightning import trainer_script
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.messages import CONFIG_ERROR_EXIT, is_config_error
@@ -41,29 +42,9 @@ else:
     fo.parallelize(gpt_small(n_layer=2, d_model=32, vocab_size=64, block_size=16), bucket_plans=plan)
 """
 
-LIGHTNING_SCRIPT = f"""
-import torch
-from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DataLoader, TensorDataset
-from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
-from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
-torch.set_num_threads(1)
-
-class Lit(LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = gpt_small(n_layer=2, d_model=32, vocab_size=64, block_size=16)
-    def training_step(self, batch, i):
-        return loss_fn(self.model(batch[0]), batch[1])
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-x, y = fixed_batches(1, 4, 16, 64)[0]
-strategy = FSDPOverlapStrategy(bucket_plans={BAD_PLAN!r}, backend="aot_eager")
-trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-trainer.fit(Lit(), DataLoader(TensorDataset(x, y), batch_size=2))
-"""
+LIGHTNING_SCRIPT = trainer_script(
+    f'FSDPOverlapStrategy(bucket_plans={BAD_PLAN!r}, backend="aot_eager")', n_layer=2, rows=4, max_steps=1
+)
 
 
 def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from _accelerate import OVERLAP_YAML, accelerate_launch, launch_env, output
 from _dist import run_ranks
+from _lightning import trainer_script
 
 from fsdp_overlap_plugin.messages import PROGRESS_ENV, CompileProgress
 
@@ -159,28 +160,7 @@ def test_core_recompile_for_a_new_length_and_the_eager_fallback(tmp_path):
 
 
 # --------------------------------------------------------------------- the adapters
-LIGHTNING_SCRIPT = """
-import torch
-from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DataLoader, TensorDataset
-from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
-from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
-torch.set_num_threads(1)
-
-class Lit(LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = gpt_small(n_layer=1, d_model=32, vocab_size=64, block_size=16)
-    def training_step(self, batch, i):
-        return loss_fn(self.model(batch[0]), batch[1])
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-x, y = fixed_batches(1, 12, 16, 64)[0]
-trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDPOverlapStrategy(backend="aot_eager"), max_steps=3,
-                  logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-trainer.fit(Lit(), DataLoader(TensorDataset(x, y), batch_size=2))
-"""
+LIGHTNING_SCRIPT = trainer_script('FSDPOverlapStrategy(backend="aot_eager")', n_layer=1, rows=12, max_steps=3)
 
 
 @pytest.mark.slow
