@@ -44,6 +44,8 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, TextIO
 
+from .records import cache_hits
+
 __all__ = [
     "CONFIG_ERROR_EXIT",
     "PROGRESS_ENV",
@@ -119,7 +121,7 @@ def report_config_error(exc: BaseException, tb: TracebackType | None, stream: Te
         _error_file(exc, "rank 0 printed it above, if it stopped with it too")
         return False
     try:
-        reference = _wait_for_rank0(store, text)
+        reference = _wait_for_rank0(store)
     except Exception:  # the store is gone: its host (rank 0) has exited
         reference = None
     if reference == text:
@@ -295,7 +297,7 @@ def _let_rank0_exit_first(store: Any) -> None:
         pass
 
 
-def _wait_for_rank0(store: Any, text: str) -> str | None:
+def _wait_for_rank0(store: Any) -> str | None:
     """Rank 0's message, or None when it posted none within ``WAIT_S``."""
     if not _poll(store, _key("rank0")):
         return None
@@ -414,8 +416,4 @@ class CompileProgress:
         plural = "s" if graphs != 1 else ""
         if not cache:  # aot_eager: inductor's caches are not used
             return f"{graphs} graph{plural}, backend {self.state.config.backend}: no compile cache"
-        # the rule of the report's compile-cache line (report._cache_summary)
-        hits = sum(
-            1 for c in cache if c["aot_autograd"] == "hit" or (c["fx_graph"]["hit"] and not c["fx_graph"]["miss"])
-        )
-        return f"{hits} of {len(cache)} graph{'s' if len(cache) != 1 else ''} from the compile cache"
+        return f"{cache_hits(cache)} of {len(cache)} graph{'s' if len(cache) != 1 else ''} from the compile cache"

@@ -29,6 +29,7 @@ from typing import Any
 __all__ = [
     "KINDS",
     "SUMMARY_STATS",
+    "cache_hits",
     "current",
     "load_graph_records",
     "record_name",
@@ -83,6 +84,13 @@ def summarize_pass(name: str, stats: Any) -> str:
         if key in stats and not (key.startswith("unbucketed") and not stats[key])
     ]
     return f"{name}({', '.join(shown)})" if shown else name
+
+
+def cache_hits(cache: list[dict]) -> int:
+    """How many of ``state.compile_cache``'s Dynamo graphs were loaded from the compile
+    cache: AOT autograd hit, or FX graph hits and no miss (the report's compile-cache
+    line and the compile progress line both count so)."""
+    return sum(1 for c in cache if c["aot_autograd"] == "hit" or (c["fx_graph"]["hit"] and not c["fx_graph"]["miss"]))
 
 
 def current(records: list[dict], fullgraph: bool) -> list[dict]:

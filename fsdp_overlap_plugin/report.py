@@ -19,7 +19,7 @@ import torch.nn as nn
 from .config import format_bytes, prefetch_words
 from .costmodel import predicted, rates_for
 from .exchange import exchanges_run
-from .records import KINDS, SUMMARY_STATS, current, record_name, summarize_pass
+from .records import KINDS, SUMMARY_STATS, cache_hits, current, record_name, summarize_pass
 from .state import get_state
 
 __all__ = [
@@ -238,11 +238,10 @@ def _arrow(record: dict | None, key: str) -> str:
 def _cache_summary(cache: list[dict]) -> str:
     """One line for ``report["compile_cache"]``: "2 of 2 Dynamo graphs loaded from the
     cache (AOT autograd hit, FX graph hits 2)"."""
-    hits = [c for c in cache if c["aot_autograd"] == "hit" or (c["fx_graph"]["hit"] and not c["fx_graph"]["miss"])]
     aot = sorted({c["aot_autograd"] or "off" for c in cache})
     fx = {k: sum(c["fx_graph"][k] for c in cache) for k in ("hit", "miss", "bypass")}
     return (
-        f"{len(hits)} of {len(cache)} Dynamo graphs loaded from the cache (AOT autograd {'/'.join(aot)}; "
+        f"{cache_hits(cache)} of {len(cache)} Dynamo graphs loaded from the cache (AOT autograd {'/'.join(aot)}; "
         f"FX graph hits {fx['hit']}, misses {fx['miss']}, bypasses {fx['bypass']})"
     )
 
