@@ -31,10 +31,6 @@ LARGE_BUCKET_FACTOR = 4
 _LISTED_PARAMS = 6
 
 
-def _itemsize(p: torch.Tensor, dtype: torch.dtype | None) -> int:
-    return torch.empty((), dtype=dtype or p.dtype, device="meta").element_size()
-
-
 def _registrations(model: nn.Module) -> dict[int, list[str]]:
     """Every parameter (by ``id``) -> its FQNs, in registration order (a tied parameter,
     ``lm_head.weight is model.embed_tokens.weight``, has several)."""
@@ -59,8 +55,9 @@ def _counted(
     gathers into the first, and ``passes/tied.py`` reduces its summed gradient in that
     read's bucket). Returns the totals, the tied parameters held here but counted elsewhere,
     and the ids counted."""
-    totals = {"params": 0, "storage_bytes": 0, "gather_bytes": 0, "reduce_bytes": 0, "_ids": []}
+    totals = {"params": 0, "storage_bytes": 0, "gather_bytes": 0, "reduce_bytes": 0}
     tied: list[dict[str, Any]] = []
+    ids: list[int] = []
     seen: set[int] = set()
     for name, p in params:
         if id(p) in seen:
@@ -70,15 +67,15 @@ def _counted(
         if not home(first):
             tied.append({"param": name, "same_as": first, "params": p.numel()})
             continue
-        totals["_ids"].append(id(p))
+        ids.append(id(p))
         totals["params"] += p.numel()
         totals["storage_bytes"] += p.numel() * p.element_size()
-    return totals, tied, totals.pop("_ids")
+    return totals, tied, ids
 
 
 def _add_bytes(totals: dict[str, int], ids: list[int], by_id: dict[int, torch.Tensor], config: OverlapConfig) -> None:
-    totals["gather_bytes"] = sum(by_id[i].numel() * _itemsize(by_id[i], config.torch_param_dtype) for i in ids)
-    totals["reduce_bytes"] = sum(by_id[i].numel() * _itemsize(by_id[i], config.torch_reduce_dtype) for i in ids)
+    for key, dtype in (("gather_bytes", config.torch_param_dtype), ("reduce_bytes", config.torch_reduce_dtype)):
+        totals[key] = sum(by_id[i].numel() * (dtype or by_id[i].dtype).itemsize for i in ids)
 
 
 def _held(module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
