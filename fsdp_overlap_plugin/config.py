@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 
+# Keys that only the cost model's predictions read: training is the same whatever they say.
+PREDICTION_ONLY = ("hardware", "compute_profile")
+
 # How the report and `fsdp-overlap check` name OverlapConfig.memory_order's values.
 MEMORY_ORDER_WORDS = {
     "fsdp2": "FSDP2's memory order: prefetch after the copy-out, one reduce-scatter in flight",
@@ -321,6 +324,25 @@ class OverlapConfig:
     (prefetch_depth alone decides). An integer or a string such as "256MiB". fsdp-overlap
     check prints the resulting peak and which order runs; so does the schedule report."""
 
+    hardware: str | dict | None = None
+    """The machine the report's predictions (and ``fsdp-overlap check`` / ``inspect`` /
+    ``suggest``) assume: a preset name (h100-nvlink, h200-nvlink, h100-ib400, h100-ib200,
+    h100-roce400, ascend-910b-hccs, cpu-gloo-300mbit; each with its source in
+    docs/performance.md), your own numbers ("link=100GB/s,inter_link=25GB/s,flops=300TFLOP/s",
+    or the same as a mapping), or a preset with some numbers changed ("h100-ib400,
+    link=300GB/s"). ``link``: bytes/s per rank the shard group's collectives move (bus
+    bandwidth); ``inter_link``: the same between replicas (HSDP); ``flops``: FLOP/s a training
+    step achieves; ``latency``: per collective. null: the preset of the device type (cuda:
+    h100-nvlink, npu: ascend-910b-hccs, cpu: cpu-gloo-300mbit). Only predictions read it:
+    training is the same whatever it says."""
+
+    compute_profile: str | None = None
+    """A measured compute profile (JSON with ``achieved_flops_per_s``: written by
+    ``fsdp-overlap profile`` on this machine, or by benchmarks/gpu_check.py's world8 phase on
+    a GPU) whose achieved FLOP/s replaces the compute rate of ``hardware`` in predictions.
+    null: the preset's rate. Read when the report is made; a missing or malformed file is an
+    error at startup."""
+
     rank_check: str = "error"
     """Before any rank runs a new graph, every rank compares it with rank 0's through the
     process group's store: a fingerprint of the graph (operations, dtypes, number of
@@ -452,6 +474,22 @@ class OverlapConfig:
                 raise OverlapConfigError(
                     f"{name}: unknown value {value!r}; valid: {', '.join(choices)}.{suggest(str(value), choices)}"
                 )
+        from .costmodel import load_profile, parse_hardware  # costmodel imports nothing of ours but records
+
+        try:
+            parse_hardware(self.hardware)
+        except ValueError as exc:
+            raise OverlapConfigError(str(exc)) from None
+        if self.compute_profile is not None:
+            if not isinstance(self.compute_profile, (str, Path)):
+                raise OverlapConfigError(
+                    f"compute_profile: expected the path of a JSON profile, got {self.compute_profile!r}."
+                )
+            self.compute_profile = str(self.compute_profile)
+            try:
+                load_profile(self.compute_profile)
+            except ValueError as exc:
+                raise OverlapConfigError(str(exc)) from None
         timeout = self.rank_check_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise OverlapConfigError(f"rank_check_timeout: expected a positive number of seconds, got {timeout!r}.")

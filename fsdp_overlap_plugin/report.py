@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from .config import format_bytes, prefetch_words
-from .costmodel import predicted, rates_for
+from .costmodel import predicted, resolve_rates
 from .exchange import exchanges_run
 from .records import KINDS, SUMMARY_STATS, cache_hits, current, record_name, summarize_pass
 from .state import get_state
@@ -99,7 +99,8 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
         training = [r for r in running if r["graph"] == kind and not r.get("inference")]
         report[kind] = training[0] if len(training) == 1 else (total_of(training) if training else None)
     report["params"] = _param_totals(model, config)
-    report["cost_model"] = {"device_type": state.device_type, "rates": rates_for(state.device_type)}
+    cost = resolve_rates(state.device_type, config.hardware, config.compute_profile)
+    report["cost_model"] = {"device_type": state.device_type, **cost}
     report["predicted"] = predicted(report)
     return report
 
@@ -293,8 +294,38 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def _rates_words(rates: dict) -> str:
-    return f"{rates['flops'] / 1e9:g} GFLOP/s compute, {rates['link'] * 8 / 1e9:g} Gbit/s link per rank"
+def _flops_words(flops: float) -> str:
+    return f"{flops / 1e12:.3g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+
+
+def _link_words(link: float) -> str:
+    """A link rate as its makers quote it: GB/s for accelerator links, Gbit/s below 1 GB/s."""
+    return f"{link / 1e9:.3g} GB/s" if link >= 1e9 else f"{link * 8 / 1e9:.3g} Gbit/s"
+
+
+def _rates_words(report: dict, cost: dict) -> str:
+    rates = cost["rates"]
+    words = f"{_flops_words(rates['flops'])} compute, {_link_words(rates['link'])} link per rank"
+    if len(report.get("mesh") or []) == 2:
+        words += f", {_link_words(rates['inter_link'])} between replicas"
+    return words
+
+
+def _rates_origin(report: dict, cost: dict) -> str:
+    """Where the rates come from, in a few words (docs/performance.md has each source)."""
+    config = report.get("config") or {}
+    if not config.get("hardware") and not cost.get("measured"):
+        return (
+            f"{report.get('device_type')} default {cost['preset']}, not measured here; set hardware or compute_profile"
+        )
+    parts = []
+    if config.get("hardware"):
+        parts.append(f"hardware {cost['preset']}" + (" with your numbers" if cost.get("own") else ""))
+    else:
+        parts.append(f"{report.get('device_type')} default {cost['preset']}")
+    if cost.get("measured"):
+        parts.append("compute measured by compute_profile")
+    return "; ".join(parts)
 
 
 def headline(report: dict[str, Any]) -> list[str]:
@@ -350,15 +381,13 @@ def headline(report: dict[str, Any]) -> list[str]:
             f"{k} {_ms(p['after']['comm_s'] - p['after']['exposed_comm_s'])} of {_ms(p['after']['comm_s'])}"
             for k, p in pred.items()
         )
-        rates = (report.get("cost_model") or {}).get("rates")
+        cost = report.get("cost_model") or {}
         lines.append(
             f"  communication hidden behind compute (predicted): {_ms(hidden)} of {_ms(after['comm_s'])} ms per step, "
             f"{_ms(before)} before the passes ({per_kind})"
         )
-        if rates:
-            lines.append(
-                f"    rates assumed (rough {report.get('device_type')} defaults, not measured): {_rates_words(rates)}"
-            )
+        if cost.get("rates") and cost.get("preset"):
+            lines.append(f"    rates assumed ({_rates_origin(report, cost)}): {_rates_words(report, cost)}")
         if after["exposed_comm_s"] > 0.1 * after["comm_s"] and after["compute_s"] < after["comm_s"]:
             lines.append(
                 f"    why not more: communication hides only behind compute, and this step computes for "

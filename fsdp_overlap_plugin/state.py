@@ -18,7 +18,7 @@ from typing import Any
 import torch.nn as nn
 
 from . import _torch_compat as compat
-from .config import OverlapConfig
+from .config import PREDICTION_ONLY, OverlapConfig
 
 __all__ = ["OverlapState", "get_state", "local_layout", "model_fingerprint"]
 
@@ -126,8 +126,11 @@ _SOURCE_DIGEST = _source_digest()
 
 
 def _pass_uuid(state: OverlapState) -> str:
+    # the keys only predictions read (a per-rank compute_profile path, say) change nothing
+    # the passes do: kept out, so they neither split the ranks' agreement keys nor the caches
+    config = {k: v for k, v in state.config.to_dict().items() if k not in PREDICTION_ONLY}
     payload = {
-        "config": state.config.to_dict(),
+        "config": config,
         "plan": state.plan,
         "model": state.model_fingerprint,
         "world": state.world_size,

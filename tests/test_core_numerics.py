@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch._dynamo
+import torch.distributed as dist
 from _dist import run_ranks
 from _train import full_params, make_model, train_reference, train_sharded
 
@@ -81,12 +82,30 @@ def _meta_init(rank: int, world: int) -> dict:
     return {"sharded": full_params(sharded), "plain": full_params(plain), "local": local}
 
 
+def _profile(path: str) -> str:
+    """A compute profile as ``fsdp-overlap profile`` writes it (each rank writes the same)."""
+    import json
+
+    file = f"{path}/profile-{dist.get_rank()}.json"
+    with open(file, "w") as f:
+        json.dump({"device": "test", "achieved_flops_per_s": 2.5e11, "step_s": 0.1}, f)
+    return file
+
+
 def _aot_eager_scenarios(rank: int, world: int, path: str) -> dict:
     return {
         "meta_init": [_meta_init(rank, world)],
         "dcp": _dcp_roundtrip(rank, world, path),
         "fp32": _run(rank, world, backend="aot_eager"),
-        "no_reshard": _run(rank, world, backend="aot_eager", reshard_after_forward=False),
+        # with the cost model's settings too: they change the report's predictions, never training
+        "no_reshard": _run(
+            rank,
+            world,
+            backend="aot_eager",
+            reshard_after_forward=False,
+            hardware="h100-ib400,link=100GB/s",
+            compute_profile=_profile(path),
+        ),
         "eager_fully_shard": _run(rank, world, compile=False),
         "tied": _run(rank, world, {"tie_weights": True, "vocab_size": 255}, backend="aot_eager"),
         "bf16": _bf16(rank, world),
@@ -125,6 +144,11 @@ def test_aot_eager_matches_single_process(aot_eager_results):
 def test_without_reshard_matches_and_backward_has_no_all_gathers(aot_eager_results):
     _close(aot_eager_results["no_reshard"])
     assert aot_eager_results["no_reshard"]["report"]["backward"]["before"]["all_gather"] == 0
+    # its hardware and compute_profile settings reached the report's predictions
+    cost = aot_eager_results["no_reshard"]["report"]["cost_model"]
+    assert (cost["preset"], cost["own"], cost["measured"]) == ("h100-ib400", ["link"], ["flops"])
+    assert (cost["rates"]["link"], cost["rates"]["inter_link"], cost["rates"]["flops"]) == (100e9, 45e9, 2.5e11)
+    assert aot_eager_results["no_reshard"]["report"]["predicted"]["forward"]["after"]["comm_s"] > 0
     assert aot_eager_results["fp32"]["report"]["backward"]["before"]["all_gather"] > 0
 
 

@@ -59,8 +59,12 @@ def test_headline_of_a_real_run(llama_report):
     assert (
         f"communication hidden behind compute (predicted): {hidden * 1e3:.1f} of {comm * 1e3:.1f} ms per step" in head
     )
-    assert report["cost_model"] == {"device_type": "cpu", "rates": rates_for("cpu")}
-    assert "rates assumed (rough cpu defaults, not measured): 50 GFLOP/s compute, 0.3 Gbit/s link per rank" in head
+    assert report["cost_model"]["rates"] == rates_for("cpu")
+    assert (report["cost_model"]["device_type"], report["cost_model"]["preset"]) == ("cpu", "cpu-gloo-300mbit")
+    assert (
+        "rates assumed (cpu default cpu-gloo-300mbit, not measured here; set hardware or compute_profile): "
+        "76 GFLOP/s compute, 0.425 Gbit/s link per rank"
+    ) in head
     # a tiny model computes far less than it communicates: the summary says why little hides
     compute = sum(p["after"]["compute_s"] for p in pred.values())
     assert compute < comm and f"this step computes for {compute * 1e3:.1f} ms against {comm * 1e3:.1f} ms" in head

@@ -99,6 +99,8 @@ class FabricStrategyMixin(StrategyBase):
         reduce_scatter_impl: str | None = None,
         prefetch_depth: int | None = None,
         max_prefetch_bytes: int | str | None = None,
+        hardware: str | dict | None = None,
+        compute_profile: str | None = None,
         rank_check: str | None = None,
         rank_check_timeout: float | None = None,
         on_compile_error: str | None = None,

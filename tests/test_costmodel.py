@@ -1,0 +1,227 @@
+"""The cost model (issue 42): hardware presets with their sources, the user's own numbers,
+a measured compute profile, the two-link simulation (latency, all-reduce bytes, the
+replicas' link, compute slowed while the link is busy), and steps predicted from a bucket
+plan for the three schedules it compares. Pure arithmetic: hand-computed expectations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_overlap_plugin import costmodel as cm
+from fsdp_overlap_plugin.config import OverlapConfig, OverlapConfigError
+
+
+def test_every_preset_says_where_its_numbers_come_from():
+    for name, hw in cm.HARDWARE.items():
+        assert hw.name == name and hw.link > 0 and hw.flops > 0 and hw.mem > 0
+        assert hw.link_source and hw.flops_source, name
+        assert (hw.inter_link is None) == (hw.inter_source is None), name
+    # the issue's complaint: the cuda default was a 25 GB/s "NVLink-ish" link
+    assert cm.rates_for("cuda")["link"] == cm.HARDWARE["h100-nvlink"].link == 360e9
+    assert cm.rates_for("cpu") == cm.HARDWARE["cpu-gloo-300mbit"].rates()
+    assert cm.rates_for("tpu") == cm.rates_for("cpu")
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("360GB/s", 360e9), ("400Gbit/s", 50e9), ("300mbit", 37.5e6), ("400TFLOP/s", 4e14), ("15us", 15e-6), (7, 7.0)],
+)
+def test_rates_read_with_their_units(text, value):
+    assert cm.parse_rate(text, "link") == pytest.approx(value)
+
+
+def test_hardware_settings_preset_own_numbers_or_both():
+    assert cm.parse_hardware(None) == {"preset": None}
+    assert cm.parse_hardware("h100-ib400") == {"preset": "h100-ib400"}
+    assert cm.parse_hardware("link=100GB/s, flops=300TFLOP/s") == {"preset": None, "link": 100e9, "flops": 3e14}
+    assert cm.parse_hardware({"preset": "h100-nvlink", "link": "300GB/s"}) == {"preset": "h100-nvlink", "link": 3e11}
+    with pytest.raises(ValueError, match=r"unknown preset 'h100-nvlnk'. Did you mean 'h100-nvlink'\?.*Presets: h100"):
+        cm.parse_hardware("h100-nvlnk")
+    with pytest.raises(ValueError, match=r"unknown key 'bandwidth'; valid: preset, link, inter_link"):
+        cm.parse_hardware("bandwidth=3GB/s")
+    with pytest.raises(ValueError, match=r"link='fast' is not a rate"):
+        cm.parse_hardware("link=fast")
+    with pytest.raises(ValueError, match="two presets"):
+        cm.parse_hardware("h100-nvlink,h100-ib400")
+
+
+def test_rates_resolve_device_default_then_preset_then_own_numbers_then_profile(tmp_path):
+    default = cm.resolve_rates("npu")
+    assert default["preset"] == "ascend-910b-hccs" and "the npu default" in default["sources"]["link"]
+    chosen = cm.resolve_rates("cpu", "h100-ib400,link=100GB/s")
+    assert chosen["preset"] == "h100-ib400" and chosen["own"] == ["link"]
+    assert (chosen["rates"]["link"], chosen["rates"]["inter_link"]) == (100e9, 45e9)
+    assert chosen["sources"]["link"] == "your own number (hardware setting)"
+    assert "InfiniBand NDR" in chosen["sources"]["inter_link"]
+    own = cm.resolve_rates("cpu", "link=1GB/s")  # no inter link of its own: the replicas use the same
+    assert own["rates"]["inter_link"] == own["rates"]["link"] == 1e9
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"device": "my box", "achieved_flops_per_s": 2e11}))
+    measured = cm.resolve_rates("cuda", None, str(profile))
+    assert measured["rates"]["flops"] == 2e11 and measured["measured"] == ["flops"]
+    assert measured["sources"]["flops"].startswith("measured compute profile (my box)")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"step_s": 1.0}))
+    with pytest.raises(ValueError, match="no positive achieved_flops_per_s"):
+        cm.resolve_rates("cpu", None, str(bad))
+
+
+def test_config_names_the_bad_hardware_or_profile(tmp_path):
+    assert OverlapConfig(hardware="h200-nvlink").hardware == "h200-nvlink"
+    with pytest.raises(OverlapConfigError, match="hardware: unknown preset 'dgx'"):
+        OverlapConfig(hardware="dgx")
+    with pytest.raises(OverlapConfigError, match="compute_profile: cannot read"):
+        OverlapConfig(compute_profile=str(tmp_path / "missing.json"))
+    with pytest.raises(OverlapConfigError, match="compute_profile: expected the path"):
+        OverlapConfig(compute_profile=3)
+
+
+def _launch(name, op, nbytes, **extra):
+    return {"op": op, "name": name, "bytes": nbytes, **extra}
+
+
+def test_simulate_costs_bytes_latency_and_all_reduce_twice():
+    rates = {"flops": 1e9, "mem": 1e18, "link": 1e6}
+    events = [
+        _launch("ag", "all_gather", 2e6),
+        {"op": "wait", "name": "w", "of": "ag"},
+        _launch("ar", "all_reduce", 2e6),
+        {"op": "wait", "name": "w2", "of": "ar"},
+    ]
+    sim = cm.simulate(events, world=2, **rates)
+    assert sim["comm_s"] == pytest.approx(1.0 + 2.0)  # half of 2 MB at 1 MB/s, then twice that
+    sim = cm.simulate(events, world=2, latency=0.5, **rates)
+    assert sim["comm_s"] == pytest.approx(4.0) and sim["exposed_comm_s"] == pytest.approx(4.0)
+
+
+def test_the_replicas_link_is_a_lane_of_its_own():
+    rates = {"flops": 1e9, "mem": 1e18, "link": 1e6, "inter_link": 1e5}
+    events = [
+        _launch("rs", "reduce_scatter", 2e6, ranks=2),
+        _launch("ar", "all_reduce", 1e5, ranks=2, lane="inter"),
+        {"op": "compute", "name": "c", "flops": 1e9},
+        {"op": "wait", "name": "w", "of": "rs"},
+        {"op": "wait", "name": "w2", "of": "ar"},
+    ]
+    sim = cm.simulate(events, world=8, **rates)
+    # both start at 0 on their own links: 1 s and 1 s, hidden behind 1 s of compute
+    assert sim["total_s"] == pytest.approx(1.0) and sim["exposed_comm_s"] == pytest.approx(0.0)
+
+
+def test_contention_slows_compute_only_while_the_link_is_busy():
+    rates = {"flops": 1.0, "mem": 1e18, "link": 1.0}
+    events = [_launch("ag", "all_gather", 4.0), {"op": "compute", "name": "c", "flops": 3.0}]
+    # the link is busy for 2 s (half of 4 bytes at 1 B/s); at half speed 1 unit of work
+    # is done by then, the other 2 take 2 s more
+    assert cm.simulate(events, world=2, contention=1.0, **rates)["compute_s"] == pytest.approx(4.0)
+    assert cm.simulate(events, world=2, **rates)["compute_s"] == pytest.approx(3.0)
+
+
+def test_gloo_reduce_scatter_costs_an_all_reduce():
+    events = [_launch("rs", "reduce_scatter", 8.0), _launch("a", "all_to_all", 8.0)]
+    assert [e["op"] for e in cm.as_run(events, "cpu")] == ["all_reduce", "all_to_all"]
+    assert cm.as_run(events, "cuda") is events
+
+
+def _buckets(n=4, kept_last=True):
+    out = [
+        {"gather_bytes": 8e6, "reduce_bytes": 16e6, "flops_forward": 1e9, "flops_backward": 2e9, "collectives": 3}
+        for _ in range(n)
+    ]
+    for i, b in enumerate(out):
+        b["regather"] = not (kept_last and i == n - 1)
+    return out
+
+
+def _ops(events):
+    return [(e["op"], e.get("bucket")) for e in events if e["op"] != "compute"]
+
+
+def test_plan_schedule_prefetches_depth_buckets_ahead_and_keeps_the_kept_bucket():
+    fwd = cm.plan_schedule(_buckets(), schedule="passes", depth=2, shard=2)["forward"]
+    assert _ops(fwd)[:4] == [("all_gather", 0), ("all_gather", 1), ("all_gather", 2), ("wait", 0)]
+    bwd = cm.plan_schedule(_buckets(), schedule="passes", depth=1, shard=2)["backward"]
+    gathers = [b for op, b in _ops(bwd) if op == "all_gather"]
+    assert gathers == [2, 1, 0]  # bucket 3 stays gathered from the forward
+    scatters = [b for op, b in _ops(bwd) if op == "reduce_scatter"]
+    assert scatters == [3, 2, 1, 0]
+    # the gradient reduce-scatters are waited at the end, after the last compute
+    last_compute = max(i for i, e in enumerate(bwd) if e["op"] == "compute")
+    assert all(i > last_compute for i, e in enumerate(bwd) if e["op"] == "wait" and e["of"].startswith("reduce"))
+
+
+def test_without_the_passes_every_parameter_is_its_own_collective_waited_at_once():
+    graphs = cm.plan_schedule(_buckets(2, kept_last=False), schedule="no-passes", shard=2)
+    fwd = graphs["forward"]
+    assert sum(e["op"] == "all_gather" for e in fwd) == 6
+    assert all(fwd[i + 1]["op"] == "wait" for i, e in enumerate(fwd) if e["op"] == "all_gather")
+    with pytest.raises(ValueError, match="valid: passes, no-passes, fsdp2"):
+        cm.plan_schedule(_buckets(), schedule="ddp", shard=2)
+
+
+def test_predicted_step_orders_the_schedules_and_hsdp_exposes_the_replica_all_reduce():
+    rates = {"flops": 1e12, "mem": 1e18, "link": 1e9, "inter_link": 1e8, "latency": 0.0, "contention": 0.0}
+    one = {s: cm.predict_step(_buckets(), rates, schedule=s, shard=8) for s in cm.SCHEDULES}
+    assert one["passes"]["step_s"] < one["no-passes"]["step_s"]
+    assert (
+        one["passes"]["exposed_comm_s"]
+        < one["no-passes"]["exposed_comm_s"]
+        == pytest.approx(one["no-passes"]["comm_s"])
+    )
+    assert one["passes"]["compute_s"] == pytest.approx(12e9 / 1e12)
+    hsdp = {s: cm.predict_step(_buckets(), rates, schedule=s, shard=8, replicas=4) for s in ("passes", "fsdp2")}
+    # the passes wait each replica all-reduce at once (issue 43); fully_shard runs them behind compute
+    assert hsdp["passes"]["exposed_comm_s"] > hsdp["fsdp2"]["exposed_comm_s"]
+    # an all-reduce of a 1/8 gradient shard over 4 replicas: 2 * 3/4 * 2e6 bytes at 1e8 B/s, per bucket
+    assert hsdp["passes"]["comm_s"] - one["passes"]["comm_s"] == pytest.approx(4 * 2 * 0.75 * 2e6 / 1e8)
+    extra = cm.predict_step(_buckets(), rates, shard=8, extra_compute_s=0.5)
+    assert extra["step_s"] == pytest.approx(one["passes"]["step_s"] + 0.5)
+
+
+def test_profile_measures_a_rate_that_check_then_uses(tmp_path, capsys):
+    """``fsdp-overlap profile`` times the model on this CPU and writes the JSON that
+    ``compute_profile`` and ``--profile`` read; ``check`` then predicts with its rate."""
+    from fsdp_overlap_plugin.cli.main import main
+
+    out = tmp_path / "profile.json"
+    spec = "fsdp_overlap_plugin.models.gpt:gpt_small"
+    args = ["profile", spec, "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1", "--no-compile"]
+    assert main([*args, "--out", str(out), "--threads", "1"]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["device_type"] == "cpu" and profile["compiled"] is False and len(profile["steps"]) == 2
+    assert profile["achieved_flops_per_s"] == pytest.approx(profile["schedule_flops_per_step"] / profile["step_s"])
+    assert "FLOP/s achieved" in capsys.readouterr().out
+    cost = cm.resolve_rates("cpu", None, str(out))
+    assert cost["rates"]["flops"] == profile["achieved_flops_per_s"]
+    config = tmp_path / "plugin.yaml"
+    config.write_text(f"compute_profile: {out}\n")
+    assert main(["check", str(config), "--model", spec, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prediction"]["rates"]["flops"] == profile["achieved_flops_per_s"]
+    assert main(["profile", spec, "--steps", "0"]) == 2
+    assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def test_prediction_settings_leave_the_rank_agreement_and_caches_alone(tmp_path):
+    """``hardware`` and ``compute_profile`` only feed predictions: two ranks with different
+    profile paths (a node-local file, say) must agree on ``uuid()``, or each would wait for
+    the other under its own agreement key until rank_check_timeout (CI found this with a
+    path per rank), and changing the hardware must not invalidate the compile caches."""
+    from fsdp_overlap_plugin.state import OverlapState
+
+    paths = []
+    for rank in (0, 1):
+        path = tmp_path / f"profile-{rank}.json"
+        path.write_text(json.dumps({"achieved_flops_per_s": 1e12}))
+        paths.append(str(path))
+
+    def state(**config):
+        return OverlapState(OverlapConfig(**config), [["blocks.0"]], "cpu", 2, (2,), local_layout="even")
+
+    plain = state()
+    ranks = [state(hardware="h100-ib400", compute_profile=p) for p in paths]
+    assert plain.uuid() == ranks[0].uuid() == ranks[1].uuid()
+    assert plain.cache_key() == ranks[0].cache_key()
+    assert state(prefetch_depth=2).uuid() != plain.uuid()  # a key the passes read still counts
