@@ -2,7 +2,12 @@
 what the passes did, all before (or after) a job runs and without a GPU.
 
     fsdp-overlap inspect MODEL [--config CONFIG] [--model-arg KEY=VALUE ...] [--depth N] [--world N] [--json]
+                         [--hardware SPEC] [--profile PATH] [--batch N] [--seq N]
     fsdp-overlap check CONFIG [--model MODEL] [--model-arg KEY=VALUE ...] [--world N] [--strict] [--json]
+                       [--hardware SPEC] [--profile PATH] [--batch N] [--seq N]
+    fsdp-overlap suggest MODEL [--config CONFIG] [--world N] [--hardware SPEC] [--profile PATH] [--batch N]
+                         [--seq N] [--memory-budget SIZE] [--json]
+    fsdp-overlap profile MODEL [--out compute_profile.json] [--batch N] [--seq N] [--device cpu|cuda] [--json]
     fsdp-overlap explain REPORT.json [--graph forward|backward] [--sequence] [--png OUT.png] [--json]
     fsdp-overlap timeline REPORT.json [--out timeline.png] [--link 300mbit] [--json]
     fsdp-overlap export CHECKPOINT OUT [--model MODEL] [--dtype bf16] [--max-shard-size 5GB] [--prefix P] [--json]
@@ -23,7 +28,8 @@ Each is read by the runtime's own reader for that format (``configs.py``), so ``
 gives the verdict the run would give.
 
 The package, one module per job: ``main`` (the command line), ``commands`` (``inspect``,
-``check``), ``configs`` (reading a config the runtime's way), ``models`` (``MODEL`` specs),
+``check``, ``suggest``), ``predict`` (each bucket's bytes and FLOPs, the predicted step and
+``suggest``'s search, through ``costmodel``), ``profile`` (this machine's compute rate), ``configs`` (reading a config the runtime's way), ``models`` (``MODEL`` specs),
 ``analysis`` (plan, bytes, memory, one function per warning), ``text`` (formatting),
 ``explain`` (``explain``, ``timeline``), ``export`` (a checkpoint into a ``save_pretrained``
 folder, offline), ``launch`` (``accelerate launch`` after a check).

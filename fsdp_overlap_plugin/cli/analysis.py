@@ -20,7 +20,16 @@ from ..plan import PlanWarning, auto_plan_info
 from ..preflight import preflight
 from .text import format_bytes, format_count
 
-__all__ = ["LARGE_BUCKET_FACTOR", "SMALL_BUCKET_BYTES", "analyze", "bucket_rows", "module_tree", "tied_parameters"]
+__all__ = [
+    "LARGE_BUCKET_FACTOR",
+    "SMALL_BUCKET_BYTES",
+    "analyze",
+    "bucket_rows",
+    "kept_for_backward",
+    "module_tree",
+    "parameter_buckets",
+    "tied_parameters",
+]
 
 #: Below this many bytes a bucket's fixed collective latency costs more than moving its
 #: bytes (alpha * beta with alpha ~ 20 us, beta ~ 50 GB/s; see docs/tuning.md).
@@ -101,6 +110,15 @@ def tied_parameters(model: nn.Module, plan: list[list[str]]) -> list[dict[str, A
         for pid, names in _registrations(model).items()
         if len(names) > 1 and pid in params
     ]
+
+
+def parameter_buckets(model: nn.Module, plan: list[list[str]]) -> dict[int, int | None]:
+    """Each parameter (by ``id``, once) -> the plan entry that gathers and reduces it: the
+    entry holding its first registration, as ``bucket_rows`` counts it; None where no entry
+    holds that registration (the parameter is gathered on its own, unbucketed)."""
+    index = BucketIndex(plan)
+    params = {id(p) for p in model.parameters()}
+    return {pid: index.bucket_of(_module_of(names[0])) for pid, names in _registrations(model).items() if pid in params}
 
 
 def _param_rows(module: nn.Module, prefix: str, config: OverlapConfig, names: dict[int, list[str]]) -> dict[str, Any]:
@@ -204,6 +222,17 @@ def warn_unbucketed(model: nn.Module, unbucketed: list[str]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ memory
+def kept_for_backward(sizes: list[int], config: OverlapConfig) -> int:
+    """How many of the last buckets (gathered ``sizes``, plan order) the forward keeps
+    gathered for backward, so the backward does not gather them again: the reshard pass's
+    rule (``passes.prefetch.kept_buckets``) when the forward reshards and the last bucket
+    is not resharded by request; 0 otherwise (``reshard_after_forward: false`` keeps every
+    bucket, which the callers read from the config)."""
+    if not config.reshard_after_forward or config.reshard_last_bucket:
+        return 0
+    return kept_buckets(sizes, config.prefetch_depth, config.max_prefetch_bytes, cover=config.manual_bucketing)
+
+
 def _memory(
     model: nn.Module, sizes: list[int], mesh: tuple[int, int] | None, world: int | None, config: OverlapConfig
 ) -> dict[str, Any]:
@@ -214,11 +243,7 @@ def _memory(
     forward = prefetch_plan(sizes, depth, budget)
     # backward: the buckets the forward kept gathered are computed first, the others are
     # re-gathered in reverse (the reshard pass keeps the last prefetch_depth that fit)
-    kept = (
-        kept_buckets(sizes, depth, budget, cover=config.manual_bucketing)
-        if config.reshard_after_forward and not config.reshard_last_bucket
-        else 0
-    )
+    kept = kept_for_backward(sizes, config)
     regathered = sizes[: len(sizes) - kept][::-1]
     backward = prefetch_plan(regathered, depth, budget, (kept, sum(sizes[len(sizes) - kept :])))
     peak, window = forward.peak_bytes, forward.peak_buckets

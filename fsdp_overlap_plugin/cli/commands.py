@@ -1,4 +1,5 @@
-"""``inspect`` and ``check``: a model's buckets and bytes, and a config checked against it.
+"""``inspect``, ``check`` and ``suggest``: a model's buckets and bytes, a config checked
+against it, the step each predicts, and the bucket plan and prefetch depth predicted fastest.
 
 ``check`` reads the config with the runtime's reader for its format (``configs.py``) and
 resolves it on the model with ``preflight`` (``analysis.py``), so its verdict is the run's:
@@ -13,11 +14,13 @@ from typing import Any
 
 import torch.nn as nn
 
+from .. import costmodel
 from ..config import OverlapConfig, OverlapConfigError, dtype_name
 from .analysis import analyze, bucket_rows, module_tree, tied_parameters
 from .configs import SHAPES, LoadedConfig, load_config
 from .errors import CliError
 from .models import load_model, unaccepted_kwargs
+from .predict import plan_yaml, predict_plan, suggest
 from .text import (
     auto_lines,
     bucket_lines,
@@ -25,14 +28,23 @@ from .text import (
     memory_lines,
     model_lines,
     plural,
+    prediction_lines,
     reduce_scatter_choices,
     reduce_scatter_lines,
+    suggest_lines,
     tied_lines,
     tree_lines,
     warning_lines,
 )
 
-__all__ = ["checked_config", "cmd_check", "cmd_inspect", "plan_target"]
+__all__ = ["checked_config", "cmd_check", "cmd_inspect", "cmd_suggest", "plan_target"]
+
+#: The device type whose hardware preset a prediction assumes without --hardware or a
+#: ``hardware`` setting: the CLI plans GPU runs (its preset: h100-nvlink).
+PREDICT_DEVICE = "cuda"
+#: Ranks per replica a prediction assumes when neither --world nor the config gives a world
+#: size: one node of the presets (8 GPUs).
+ASSUMED_SHARD = 8
 
 Result = tuple[int, dict[str, Any], list[str]]
 
@@ -66,7 +78,57 @@ def checked_config(
     return config, target, result
 
 
+def _rates_args(args: argparse.Namespace) -> None:
+    """Check --hardware and --profile before any model is built: a bad value is exit 2 with
+    the cost model's own message (it names the valid presets and keys)."""
+    try:
+        if getattr(args, "hardware", None) is not None:
+            costmodel.parse_hardware(args.hardware)
+        if getattr(args, "profile", None) is not None:
+            costmodel.load_profile(args.profile)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _world(config: OverlapConfig, world: int | None) -> tuple[int, int, bool]:
+    """(world, replicas, assumed) for a prediction: the world size given (--world, or the
+    one the config file implies), else ``ASSUMED_SHARD`` ranks per replica (assumed)."""
+    replicate = config.mesh.replicate
+    if world is not None:
+        return world, config.mesh.sizes(world)[0], False
+    shard = config.mesh.shard if config.mesh.shard != -1 else ASSUMED_SHARD
+    return replicate * shard, replicate, True
+
+
+def _prediction(
+    args: argparse.Namespace, model: nn.Module, config: OverlapConfig, plan: list[list[str]], world: int | None
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The predicted step of ``plan`` and its lines; (None, []) where the caller has no
+    --seq (``launch`` runs ``check`` for its verdict only)."""
+    if not hasattr(args, "seq"):
+        return None, []
+    world, replicate, assumed = _world(config, world)
+    try:
+        pred = predict_plan(
+            model,
+            config,
+            plan,
+            world=world,
+            replicate=replicate,
+            batch=args.batch,
+            seq=args.seq,
+            hardware=args.hardware,
+            profile=args.profile,
+            device_type=PREDICT_DEVICE,
+        )
+    except ValueError as exc:  # the config's own hardware / compute_profile, read again
+        raise CliError(str(exc)) from None
+    pred["world_assumed"] = assumed
+    return pred, prediction_lines(pred, config)
+
+
 def cmd_inspect(args: argparse.Namespace) -> Result:
+    _rates_args(args)
     loaded = load_config(args.config)
     model, info = load_model(args.model, args.model_arg)
     config, target, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
@@ -109,6 +171,8 @@ def cmd_inspect(args: argparse.Namespace) -> Result:
         )
     lines += memory_lines(result, config)
     lines += warning_lines(result)
+    out["prediction"], predicted = _prediction(args, target, config, plan, args.world or loaded.world)
+    lines += predicted
     return 0, out, lines
 
 
@@ -151,6 +215,7 @@ def _with_init_args(loaded: LoadedConfig, spec: str, model_args: list[str]) -> l
 def cmd_check(args: argparse.Namespace) -> Result:
     """``args``: the ``check`` arguments; ``args.environ`` (optional, ``launch`` sets it) is
     what ``accelerate launch`` exports beside the file (see ``configs.load_config``)."""
+    _rates_args(args)
     loaded = load_config(args.config, environ=getattr(args, "environ", None))
     where = f", keys under {loaded.section}" + (f" as {loaded.prefix}<key>" if loaded.prefix else "")
     lines = [f"config  {loaded.path} ({SHAPES[loaded.shape]}{where if loaded.section else ''}): keys valid"]
@@ -188,7 +253,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
         if note:
             lines.append(f"        {note}")
         break
-    config, _, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
+    config, target, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
     out = {
         "command": "check",
         "ok": True,
@@ -228,4 +293,61 @@ def cmd_check(args: argparse.Namespace) -> Result:
             else "compile: false (eager fully_shard per bucket)"
         )
     )
+    plan = [r["modules"] for r in rows]
+    out["prediction"], predicted = _prediction(args, target, config, plan, args.world or loaded.world)
+    lines += predicted
     return (1 if args.strict and result["warnings"] else 0), out, lines
+
+
+def cmd_suggest(args: argparse.Namespace) -> Result:
+    """The bucket plan and prefetch depth predicted fastest for the model on the machine
+    (``predict.suggest``), with the config lines that select them. Exit 1 when no candidate
+    fits --memory-budget."""
+    _rates_args(args)
+    loaded = load_config(args.config)
+    model, info = load_model(args.model, args.model_arg)
+    world_given = args.world or loaded.world
+    config, target, result = checked_config(loaded, model, world_given, 0)
+    world, replicate, assumed = _world(config, world_given)
+    current = [r["modules"] for r in result["plan"]["buckets"]]
+    try:
+        found = suggest(
+            target,
+            config,
+            current,
+            world=world,
+            replicate=replicate,
+            batch=args.batch,
+            seq=args.seq,
+            hardware=args.hardware,
+            profile=args.profile,
+            device_type=PREDICT_DEVICE,
+            budget=args.memory_budget,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    found["world_assumed"] = assumed
+    chosen = found["chosen"]
+    spell = (lambda name: loaded.key(name).rpartition(".")[2]) if loaded.section else (lambda name: name)
+    snippet = None
+    if chosen is not None:
+        snippet = plan_yaml(found["candidates"][chosen]["plan"], found["candidates"][chosen]["depth"], spell)
+    where = f" (under {loaded.section} in {loaded.path})" if loaded.section else ""
+    out = {
+        "command": "suggest",
+        "ok": chosen is not None,
+        "model": info,
+        "config": _config_out(loaded, config),
+        **found,
+        "yaml": snippet,
+    }
+    lines = model_lines(info) + dtype_lines(config, info)
+    if loaded.path:
+        lines.append(f"config  {loaded.path} ({SHAPES[loaded.shape]}): the settings now")
+    if not config.compile:
+        lines.append(
+            "note    compile: false runs torch's fully_shard per bucket, without the passes: these predictions are "
+            "for compile: true, and prefetch_depth does not apply until then"
+        )
+    lines += suggest_lines(found, snippet or "", where)
+    return (0 if chosen is not None else 1), out, lines

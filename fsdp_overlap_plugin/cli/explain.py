@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..costmodel import DEFAULT_RATES, draw_timeline, predicted
+from ..costmodel import draw_timeline, predicted, report_rates
 from .errors import CliError
 from .text import format_bytes, format_flops, table
 
@@ -333,7 +333,7 @@ def rate_arg(text: str) -> float:
 
 def cmd_timeline(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
     path, report = _load_report(args.report)
-    rates = dict(DEFAULT_RATES.get(report.get("device_type") or "cpu", DEFAULT_RATES["cpu"]))
+    rates = report_rates(report)
     for key in ("flops", "mem", "link"):
         if getattr(args, key) is not None:
             rates[key] = getattr(args, key)

@@ -1,5 +1,6 @@
 """The command line: the parser, the subcommands, the exit codes (0 ok; 1 ``--strict`` and a
-warning, or nothing to explain or draw; 2 a bad config, model spec or report)."""
+warning, nothing to explain or draw, or nothing ``suggest`` tries fits its memory budget; 2 a
+bad config, model spec, report or hardware setting)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from typing import Any
 
 from .._version import __version__
 from ..config import OverlapConfigError, parse_bytes
+from ..costmodel import HARDWARE
 from .analysis import SMALL_BUCKET_BYTES
-from .commands import cmd_check, cmd_inspect
+from .commands import cmd_check, cmd_inspect, cmd_suggest
 from .errors import CliError
 from .explain import GRAPHS, cmd_explain, cmd_timeline, rate_arg
 from .export import add_parser as add_export_parser
 from .export import cmd_export
+from .profile import add_parser as add_profile_parser
+from .profile import cmd_profile
 from .text import format_bytes
 
 __all__ = ["build_parser", "main"]
@@ -24,13 +28,52 @@ __all__ = ["build_parser", "main"]
 _LAUNCH = "launch"
 
 
-def _size_arg(text: str) -> int:
+def _size(option: str) -> Callable[[str], int]:
+    """An argparse type reading a size (``2GiB``, ``512MiB``, bytes) for ``option``."""
+
+    def read(text: str) -> int:
+        try:
+            value = parse_bytes(text, option)
+        except OverlapConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        assert value is not None
+        return value
+
+    return read
+
+
+_size_arg = _size("--small-bytes")
+
+
+def _positive(text: str) -> int:
     try:
-        value = parse_bytes(text, "--small-bytes")
-    except OverlapConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    assert value is not None
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
+
+
+def _add_predict_args(p: argparse.ArgumentParser) -> None:
+    """The options of the predicted step (``check``, ``inspect``, ``suggest``)."""
+    p.add_argument(
+        "--hardware",
+        default=None,
+        metavar="SPEC",
+        help=f"the machine the prediction assumes: a preset ({', '.join(HARDWARE)}), your own numbers "
+        "(link=100GB/s,flops=300TFLOP/s), or both (h100-ib400,link=300GB/s); replaces the config's hardware "
+        "setting (default: it, else h100-nvlink)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="PATH",
+        help="a measured compute profile JSON (achieved_flops_per_s) whose rate replaces the compute rate; "
+        "overrides the config's compute_profile",
+    )
+    p.add_argument("--batch", type=_positive, default=1, metavar="N", help="sequences per rank per step (default 1)")
+    p.add_argument("--seq", type=_positive, default=2048, metavar="N", help="tokens per sequence (default 2048)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +85,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="keyword argument for the model factory, or a config field for hf:, value read as YAML "
         "(repeatable): --model-arg n_layer=48",
     )
-    p.add_argument("--world", type=int, default=None, help="world size, to check the mesh and show memory per rank")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="world size, to check the mesh, show memory per rank and predict the step (the prediction assumes "
+        "8 ranks per replica without it)",
+    )
     p.add_argument(
         "--small-bytes",
         type=_size_arg,
@@ -59,11 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fsdp-overlap",
         description="Inspect, check and explain fsdp-overlap bucket plans, on the meta device, with no GPU; "
         "launch an Accelerate job after checking its config.",
-        epilog="Exit codes: 0 ok, 1 --strict with warnings or nothing to explain/draw, 2 bad config, model or report "
+        epilog="Exit codes: 0 ok, 1 --strict with warnings, nothing to explain/draw or nothing within suggest's "
+        "--memory-budget, 2 bad config, model, report or --hardware "
         "(launch: 2 before any worker starts, else accelerate launch's own exit code).",
     )
     parser.add_argument("--version", action="version", version=f"fsdp-overlap {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,check,explain,timeline,export,launch}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{inspect,check,suggest,profile,explain,timeline,export,launch}"
+    )
 
     p = sub.add_parser("inspect", help="module tree with bytes per bucket candidate, and the auto plan")
     p.add_argument(
@@ -74,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a plugin, LightningCLI or Accelerate YAML (dtypes, bucket_bytes)")
     p.add_argument("--depth", type=int, default=0, help="also show N levels inside each bucketed module")
     _add_model_args(p)
+    _add_predict_args(p)
 
     p = sub.add_parser("check", help="validate a YAML as the run would, and resolve its plan against a model")
     p.add_argument("config", metavar="CONFIG", help="a plugin, LightningCLI or Accelerate YAML")
@@ -84,6 +137,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--strict", action="store_true", help="exit 1 when there is any warning")
     _add_model_args(p)
+    _add_predict_args(p)
+
+    p = sub.add_parser(
+        "suggest",
+        help="the bucket plan and prefetch depth with the fastest predicted step, within a memory budget",
+        description="Try the auto plan and plans of 2, 3, 4, 6 and 8 repeated blocks per bucket, each at "
+        "prefetch_depth 1, 2 and 3, on the cost model; print the fastest whose gathered-ahead peak fits "
+        "--memory-budget and the config lines that select it. Exit 1 when none fits.",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="package.module:factory (e.g. fsdp_overlap_plugin.models.gpt:gpt_1b) or hf:path/to/config.json",
+    )
+    p.add_argument("--config", default=None, help="a plugin, LightningCLI or Accelerate YAML: the settings now")
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the model factory, or a config field for hf: (repeatable)",
+    )
+    p.add_argument("--world", type=int, default=None, help="world size (default: the config's, else 8 per replica)")
+    p.add_argument(
+        "--memory-budget",
+        type=_size("--memory-budget"),
+        default=None,
+        metavar="SIZE",
+        help="most parameter bytes prefetching may hold gathered at once, e.g. 2GiB (default: no budget)",
+    )
+    _add_predict_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     p = sub.add_parser("explain", help="per-bucket launches and waits before/after the passes, from a report JSON")
     p.add_argument("report", metavar="REPORT.json", help="json.dump(schedule_report(model)) output")
@@ -101,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     add_export_parser(sub)
+    add_profile_parser(sub)
 
     # `launch` parses its own arguments (everything it does not know goes to accelerate
     # launch unchanged, the training script's arguments included): listed here for --help.
@@ -115,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], list[str]]]] = {
     "inspect": cmd_inspect,
     "check": cmd_check,
+    "suggest": cmd_suggest,
+    "profile": cmd_profile,
     "explain": cmd_explain,
     "timeline": cmd_timeline,
     "export": cmd_export,

@@ -1,4 +1,4 @@
-"""Text for people: sizes, counts, tables, and the lines ``inspect`` and ``check`` print."""
+"""Text for people: sizes, counts, tables, and the lines ``inspect``, ``check`` and ``suggest`` print."""
 
 from __future__ import annotations
 
@@ -15,10 +15,15 @@ __all__ = [
     "format_bytes",
     "format_count",
     "format_flops",
+    "format_rate",
+    "format_seconds",
     "memory_lines",
+    "prediction_lines",
     "reduce_scatter_lines",
     "model_lines",
     "plural",
+    "rate_lines",
+    "suggest_lines",
     "table",
     "tied_lines",
     "tree_lines",
@@ -284,3 +289,146 @@ def auto_lines(result: dict[str, Any]) -> list[str]:
     head += f"; repeated blocks {shown}, one bucket each" if blocks else "; no repeated blocks"
     head += f"; other modules grouped to {format_bytes(auto['target_bytes'])} ({source})"
     return [head]
+
+
+# ------------------------------------------------------------------- the predictions
+def format_seconds(s: float, like: float | None = None) -> str:
+    """``0.4123`` -> ``"0.412 s"``, ``0.0801`` -> ``"80.1 ms"``, ``4.2e-5`` -> ``"42.0 us"``: three
+    significant digits, in the unit and with the decimals ``like`` would take, so the figures
+    of one line or column read alike (``0.0031, like=0.0778`` -> ``"3.1 ms"``)."""
+    ref = s if like is None else like
+    unit, scale = ("s", 1.0) if ref >= 0.1 else ("ms", 1e3) if ref >= 1e-3 else ("us", 1e6)
+    r = ref * scale
+    decimals = 0 if r >= 100 else 1 if r >= 10 else 2 if r >= 1 else 3
+    return f"{s * scale:,.{decimals}f} {unit}"
+
+
+def format_rate(value: float, unit: str) -> str:
+    """``3.6e11, "B/s"`` -> ``"360 GB/s"``; ``4.95e14, "FLOP/s"`` -> ``"495 TFLOP/s"``."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def rate_lines(pred: dict[str, Any]) -> list[str]:
+    """The rates a prediction used, each with where it comes from (``costmodel.resolve_rates``)."""
+    rates, sources = pred["rates"], pred["sources"]
+    shown = [
+        ("link", f"{format_rate(rates['link'], 'B/s')} per rank between the ranks of a shard group", "link"),
+        ("compute", f"{format_rate(rates['flops'], 'FLOP/s')} achieved", "flops"),
+        ("memory", format_rate(rates["mem"], "B/s"), "mem"),
+        ("latency", f"{format_seconds(rates['latency'])} per collective" if rates["latency"] else "none", "latency"),
+    ]
+    if pred["replicate"] > 1:
+        shown.insert(
+            1, ("replicas", f"{format_rate(rates['inter_link'], 'B/s')} per rank between replicas", "inter_link")
+        )
+    if rates.get("contention") or rates.get("send_first", 1.0) != 1.0:
+        host = f"compute {1 + rates.get('contention', 0):g}x slower while the link is busy"
+        host += f", send-first collectives (gloo's) x{rates.get('send_first', 1.0):g}"
+        shown.append(("host", host, "contention"))
+    if pred["measured"] or rates["mem"] >= 1e17:  # memory-bound work is inside a measured compute rate
+        shown = [row for row in shown if row[0] != "memory"]
+    width = max(len(name) for name, _, _ in shown)
+    return [f"    {name + ':':<{width + 1}} {value}; {sources[key]}" for name, value, key in shown]
+
+
+def _shape_words(pred: dict[str, Any]) -> str:
+    mesh = f"{pred['replicate']} x {pred['shard']}" if pred["replicate"] > 1 else str(pred["shard"])
+    assumed = " assumed (--world)" if pred.get("world_assumed") else ""
+    return f"{pred['world']} ranks{assumed}, mesh {mesh}; {pred['batch']} x {pred['seq']} tokens per rank from --batch/--seq"
+
+
+def prediction_lines(pred: dict[str, Any], config: OverlapConfig) -> list[str]:
+    """The predicted step of ``check`` / ``inspect``: with the passes, without them, and
+    torch's ``fully_shard``, then the rates and where each comes from."""
+    on, off, fsdp2 = pred["passes"], pred["no-passes"], pred["fsdp2"]
+    like = max(on["step_s"], off["step_s"], fsdp2["step_s"])
+    sec = lambda s: format_seconds(s, like)  # noqa: E731
+    head = (
+        f"predicted step per rank (cost model; {_shape_words(pred)}): "
+        f"{sec(on['step_s'])} with the passes (communication {sec(on['comm_s'])}, "
+        f"{sec(on['exposed_comm_s'])} of it exposed), "
+        f"{sec(off['step_s'])} without them ({sec(off['exposed_comm_s'])} exposed), "
+        f"{sec(fsdp2['step_s'])} for torch's fully_shard ({sec(fsdp2['exposed_comm_s'])} exposed)"
+    )
+    lines = [head]
+    if on["tokens_per_s"]:
+        lines.append(
+            f"  {on['tokens_per_s']:,.0f} tokens/s per rank with the passes (prefetch_depth {pred['depth']}); "
+            f"compute {format_seconds(on['compute_s'])} forward and backward, optimizer step "
+            f"{format_seconds(pred['optimizer_s'])} (AdamW on the rank's shard: {pred['optimizer_bytes_per_param']} "
+            "bytes per parameter at the memory rate)"
+        )
+    if not config.compile:
+        lines.append("  compile: false runs torch's fully_shard per bucket: its figure is the one for this config")
+    lines.append(
+        "  rates (--hardware, --profile; a prediction, not a measurement: docs/performance.md says how good it is):"
+    )
+    return lines + rate_lines(pred)
+
+
+def suggest_lines(result: dict[str, Any], snippet: str, where: str = "") -> list[str]:
+    """``suggest``'s table, its choice, and the config lines that select it."""
+    cands = result["candidates"]
+    chosen, now = result["chosen"], result["current"]
+    budget = result["budget"]
+    grid = [["", "plan", "buckets", "ahead", "step", "exposed", "gathered-ahead peak"]]
+    like = max(c["step_s"] for c in cands)
+    for i, c in enumerate(cands):
+        grid.append(
+            [
+                " ".join(w for w, on in (("*", i == chosen), ("now", c["current"])) if on),
+                c["words"],
+                str(c["buckets"]),
+                str(c["depth"]),
+                format_seconds(c["step_s"], like),
+                format_seconds(c["exposed_comm_s"], like),
+                format_bytes(c["peak_bytes"]) + ("" if c["fits"] else " (over budget)"),
+            ]
+        )
+    lines = [
+        f"predicted step per rank with the passes (cost model; {_shape_words(result)}; memory budget "
+        f"{format_bytes(budget) if budget is not None else 'none (--memory-budget)'}); "
+        "ahead = prefetch_depth, * = suggested, now = the settings now:"
+    ]
+    lines += table(grid, right={2, 3, 4, 5, 6})
+    current = cands[now]
+    settings = f"{current['words']}, prefetch_depth {current['depth']}"
+    if chosen is None:
+        smallest = min(cands, key=lambda c: c["peak_bytes"])
+        lines.append(
+            f"nothing fits the memory budget of {format_bytes(budget)}: the smallest gathered-ahead peak is "
+            f"{format_bytes(smallest['peak_bytes'])} ({smallest['words']}, prefetch_depth {smallest['depth']}); "
+            "raise --memory-budget, or split the largest buckets (fsdp-overlap check lists them)"
+        )
+    elif chosen == now:
+        lines.append(
+            f"your settings are already the best of these ({settings}): {format_seconds(current['step_s'])} per "
+            "step predicted; nothing to change"
+        )
+    else:
+        c = cands[chosen]
+        speedup, now_words = result["speedup"], f"now ({settings}: {format_seconds(current['step_s'])})"
+        if speedup >= 1 + result["tie"]:
+            than = f"{(speedup - 1) * 100:.1f}% faster than {now_words}"
+        elif speedup > 1 - result["tie"]:
+            than = f"as fast as {now_words}, within {result['tie'] * 100:.0f}%"
+        else:
+            than = f"{(1 - speedup) * 100:.1f}% slower than {now_words}, which does not fit the budget"
+        lines.append(
+            f"suggested: {c['words']}, prefetch_depth {c['depth']}: {format_seconds(c['step_s'])} per step "
+            f"predicted, {than}; it gathers up to {format_bytes(c['peak_bytes'])} ahead "
+            f"(now {format_bytes(current['peak_bytes'])})"
+        )
+        lines.append(f"paste into the plugin config{where}:")
+        lines += ["  " + line for line in snippet.splitlines()]
+    lines.append(
+        f"  (steps within {result['tie'] * 100:.0f}% of the fastest count as equal; the one gathering fewer buckets "
+        "ahead wins, then the auto plan)"
+    )
+    lines.append(
+        "  rates (--hardware, --profile; a prediction, not a measurement: docs/performance.md says how good it is):"
+    )
+    return lines + rate_lines(result)
