@@ -1,35 +1,67 @@
-"""The GPU path in one command: CUDA unit tests, a ~1B-parameter GPT compiled with inductor
-on NCCL (passes off and on, and eager FSDP2 ``fully_shard``), its losses, speed and memory,
-and inductor's generated code checked for the bucketed collectives in the planned order.
+"""The GPU path in one command: CUDA unit tests; a transformers Llama trained with the
+plugin's defaults next to torch's own FSDP2 (``fully_shard`` + ``torch.compile``), on one
+NCCL rank and on a fake world of 8 ranks with Llama3-8B layer shapes, with a per-kernel
+compute profile and inductor's generated code checked for the bucketed collectives in the
+planned order; and the Lightning and Accelerate paths run on the GPU.
 
     python benchmarks/gpu_check.py                  # one CUDA GPU; files go to $OUT or ./gpu_check_out
-    python benchmarks/gpu_check.py --dry-run        # anywhere: meta-device model, plan, bytes, commands
-    python benchmarks/gpu_check.py --n-layer 12 --batch 4 --phases compiled-on,code-order
+    python benchmarks/gpu_check.py --dry-run        # anywhere: meta-device models, plan, bytes, commands
+    python benchmarks/gpu_check.py --phases gpt     # the ~1B-parameter GPT phases (opt-in, ~4 minutes)
+    python benchmarks/gpu_check.py --phases all --budget 600
 
 Phases, each in its own process with its own time limit (a hang or crash is reported and
-the next phase still runs; files are rewritten after every phase):
+the next phase still runs; files are rewritten after every phase). The default run, with
+the seconds each is expected to take on one H200 or H100 (cold inductor cache; compiling
+dominates, a first compile costs ~10 s of process start and imports plus 20-30 s of
+Dynamo, AOT autograd and Triton for these 4-8 layer graphs; gpt_1b's 24 layers took 49-58 s):
 
-    matmul        GPU name, versions, and the measured bf16 matmul rate (MFU's denominator)
-    tests         pytest -m cuda tests/test_*_cuda.py (the unit tests with a CUDA variant)
-    compiled-off  parallelize(), inductor, bf16 params / fp32 reduce, passes off
-    compiled-on   the same with the passes on (bucketing, gradient overlap, order pinning)
-    eager         compile: false (FSDP2 fully_shard per bucket), the baseline
+    matmul     ~12 s  GPU name, versions, and the measured bf16 matmul rate (MFU's denominator)
+    tests      ~80 s  pytest -m cuda tests/test_*_cuda.py (the unit tests with a CUDA variant;
+                      six tests, three inductor compiles of a small GPT)
+    hf-1rank   ~70 s  transformers LlamaForCausalLM from a LlamaConfig (8 layers, hidden 2048,
+                      0.51B parameters, sdpa), batch 4 x 2048, one NCCL rank, bf16 params / fp32
+                      reduce: the plugin's parallelize() defaults, then torch's fully_shard per
+                      decoder layer + torch.compile; two compiles (~25 s each), 14 steps each
+                      (~0.07 s a step)
+    world8     ~75 s  Llama3-8B layer shapes, 4 layers (1.92B parameters), batch 2 x 4096, on a
+                      fake process group of 8 ranks on the GPU: the same two variants (two
+                      compiles, 14 steps of ~0.15 s each), inductor's generated code of the plugin's
+                      step checked for the bucketed collectives in order, and a torch.profiler
+                      compute profile of 3 plugin steps (compute_profile.json)
+    paths      ~60 s  examples/hf_lightning.py (Trainer, strategy fsdp_overlap, 1 GPU, bf16-mixed)
+                      and accelerate launch --config_file configs/overlap.yaml --num_processes 1
+                      examples/hf_accelerate.py, 40 steps each of a tiny Llama (the loss must fall):
+                      ~30 s each, mostly imports and one small compile
+                      (~300 s in all; --budget 345, the issue's bound is 6 minutes)
+
+Opt-in (--phases gpt, or name them; ~250 s together), the ~1B-parameter GPT
+(fsdp_overlap_plugin.models.gpt_1b, 1.35B at the default sizes):
+
+    compiled-off  parallelize(), inductor, bf16 params / fp32 reduce, passes off  (~75 s)
+    compiled-on   the same with the passes on (bucketing, gradient overlap, order pinning)  (~75 s)
     code-order    a fake process group of --code-world ranks on the GPU: compile with the
-                  passes on, run one step, check inductor's generated code
+                  passes on, run one step, check inductor's generated code  (~40 s)
+    eager         compile: false (FSDP2 fully_shard per bucket), the baseline  (~25 s)
 
-What a single GPU can show: the three training phases run a world of ONE NCCL rank. On a
-1-rank mesh DTensor skips the gather altogether (there is nothing to gather), so those
-compiled graphs hold no collectives: they prove that the GPU compile path works and
-measure its compute-side cost (step time, tokens/s, MFU, memory), not overlap. The
-collectives, and whether inductor's GPU code keeps them where the passes put them, are
-checked by the code-order phase on a fake process group (it compiles the graph that N
-ranks would run; its collectives move no data, so it is not timed).
+They left the default run when the Llama phases came (issue 42): on a world of one the
+passes have no collectives to act on, so compiled-off and compiled-on compile nearly the
+same graph, and hf-1rank now measures the same compile path against torch's own FSDP2;
+world8 checks the generated code as code-order does, at 8 ranks and Llama3-8B shapes.
+
+What a single GPU can show: the 1-rank phases run a world of ONE NCCL rank. On a 1-rank
+mesh DTensor skips the gather altogether (there is nothing to gather), so those compiled
+graphs hold no collectives: they prove that the GPU compile path works and measure its
+compute-side cost (step time, tokens/s, MFU, memory), not overlap. World8 and code-order
+compile the graph that N ranks would run on a fake process group: its collectives move no
+data, so their step times are the compute side only (copy-in/out, casts, kernels) and their
+losses mean nothing (the gathered parameters are whatever the buffers held).
 
 Exit status: 0 when every phase ran and every check passed; 1 when a check failed, a
 phase failed or ran out of time; 2 for bad arguments or no CUDA GPU (before anything
-expensive). Files written to --out: summary.md (the table and the checks), results.json,
-console.log, phases.log (every phase's output), code_forward.py / code_backward.py (the
-generated code the code-order phase checked).
+expensive). Files written to --out: summary.md (the tables and the checks), results.json,
+console.log, phases.log (every phase's output), compute_profile.json (world8), paths_*.log
+(the two examples' output), code_world8_forward.py / code_world8_backward.py (and
+code_forward.py / code_backward.py from code-order: the generated code that was checked).
 """
 
 from __future__ import annotations
@@ -61,8 +93,17 @@ if (REPO / "fsdp_overlap_plugin").is_dir() and str(REPO) not in sys.path:
 # The torch range pyproject.toml admits, read from it (the package's one statement of it).
 from fsdp_overlap_plugin._version import supported_range, torch_supported  # noqa: E402
 
-PHASES = ("matmul", "tests", "compiled-off", "compiled-on", "code-order", "eager")
+PHASES = ("matmul", "tests", "compiled-off", "compiled-on", "code-order", "eager", "hf-1rank", "world8", "paths")
+DEFAULT_PHASES = ("matmul", "tests", "hf-1rank", "world8", "paths")
+# names --phases also takes: a group of phases
+PHASE_GROUPS = {
+    "default": DEFAULT_PHASES,
+    "all": PHASES,
+    "gpt": ("matmul", "compiled-off", "compiled-on", "code-order", "eager"),
+}
 TRAIN_PHASES = ("compiled-off", "compiled-on", "eager")
+GPT_PHASES = (*TRAIN_PHASES, "code-order")
+LLAMA_PHASES = ("hf-1rank", "world8")
 ROW_LABELS = {
     "eager": "eager fully_shard (compile: false)",
     "compiled-off": "compiled, passes off",
@@ -76,9 +117,50 @@ DEFAULT_CAPS = {
     "compiled-on": 150,
     "code-order": 120,
     "eager": 90,
+    "hf-1rank": 150,
+    "world8": 150,
+    "paths": 150,
+}
+# What each phase is expected to take on one H200 or H100 with a cold compile cache (the
+# module doc says why); the default run's must fit DEFAULT_BUDGET_S with room to spare.
+ESTIMATED_S = {
+    "matmul": 12,
+    "tests": 80,
+    "compiled-off": 75,
+    "compiled-on": 75,
+    "code-order": 40,
+    "eager": 25,
+    "hf-1rank": 70,
+    "world8": 75,
+    "paths": 60,
 }
 MIN_PHASE_S = 20  # a phase that would get less than this is skipped, not started
 DEFAULT_BUDGET_S = 345  # the issue's bound is 6 minutes; leave room for start-up and files
+
+# The transformers Llamas of hf-1rank and world8 (LlamaConfig fields in plain names), and
+# the tiny ones `--_size tiny` puts in their place so that a CPU test runs each phase.
+# hf-1rank: 0.51B parameters (grouped-query attention, 8 of 16 heads); world8: Llama3-8B's
+# layer shapes and vocabulary with 4 of its 32 layers, 1.92B parameters.
+LLAMA_SHAPES = {
+    "hf-1rank": {
+        "default": dict(n_layer=8, hidden=2048, intermediate=5632, heads=16, kv_heads=8, vocab=32000),
+        "tiny": dict(n_layer=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256),
+    },
+    "world8": {
+        "default": dict(n_layer=4, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256),
+        "tiny": dict(n_layer=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256),
+    },
+}
+LLAMA_RUNS = {  # rope theta, batch x sequence per rank, ranks
+    "hf-1rank": {"default": dict(rope_theta=10000.0, batch=4, seq=2048, world=1)},
+    "world8": {"default": dict(rope_theta=500000.0, batch=2, seq=4096, world=8)},
+}
+TINY_RUN = dict(batch=2, seq=32)
+LLAMA_VARIANTS = {
+    "plugin": "plugin, parallelize() defaults",
+    "fully_shard": "torch fully_shard per layer + torch.compile",
+}
+PROFILE_FILE = "compute_profile.json"
 
 # Generated code: a launch, its output-size assert, a wait, and the kernels that count as
 # compute a launch can hide behind (matmuls and attention; inductor's templates too).
@@ -137,15 +219,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--code-layers", type=int, default=4, help="blocks of the code-order model (same width as the main model)"
     )
     c.add_argument("--code-world", type=int, default=2, help="fake ranks the code-order phase compiles for")
+    c.add_argument(
+        "--llama-rtol",
+        type=float,
+        default=5e-2,
+        help="hf-1rank: the plugin vs torch's fully_shard + compile, largest relative loss difference per step",
+    )
+    h = p.add_argument_group("transformers Llama (hf-1rank, world8) and the examples (paths)")
+    h.add_argument("--llama-steps", type=int, default=12, help="timed steps per variant (after --warmup)")
+    h.add_argument("--profile-steps", type=int, default=3, help="world8: plugin steps the profiler records")
+    h.add_argument("--path-steps", type=int, default=40, help="paths: training steps of each example")
     r = p.add_argument_group("time")
     r.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for all phases together")
     r.add_argument("--cap", action="append", default=[], metavar="PHASE=SECONDS", help="change one phase's time limit")
-    r.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of: {', '.join(PHASES)}")
+    r.add_argument(
+        "--phases",
+        default="default",
+        help=f"comma-separated phases or groups: {', '.join(PHASES)}; "
+        + "; ".join(f"{k} = {','.join(v)}" for k, v in PHASE_GROUPS.items()),
+    )
     # internal: the parent starts each phase as `gpu_check.py --_phase NAME --_result FILE ...`
     p.add_argument("--_phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     # tests only: run the training phases on CPU (gloo, aot_eager) to exercise the plumbing
     p.add_argument("--_device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
+    # tests only: the tiny Llamas (LLAMA_SHAPES) in hf-1rank and world8, so a CPU runs them in seconds
+    p.add_argument("--_size", default="default", choices=("default", "tiny"), help=argparse.SUPPRESS)
     return p
 
 
@@ -158,7 +257,8 @@ def _suggest(word: str, choices: tuple[str, ...]) -> str:
 def validate(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, found before anything is built or started."""
     errors = []
-    for name in ("n_layer", "d_model", "n_head", "vocab", "batch", "seq", "steps", "code_layers"):
+    names = ("n_layer", "d_model", "n_head", "vocab", "batch", "seq", "steps", "code_layers", "llama_steps")
+    for name in (*names, "profile_steps", "path_steps"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 1:
@@ -169,7 +269,7 @@ def validate(args: argparse.Namespace) -> list[str]:
         errors.append(f"--code-world must be >= 2 (a 1-rank mesh has no collectives to check), got {args.code_world}")
     if args.lr <= 0:
         errors.append(f"--lr must be > 0, got {args.lr}")
-    for name in ("loss_rtol", "eager_rtol"):
+    for name in ("loss_rtol", "eager_rtol", "llama_rtol"):
         if not 0 < getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be between 0 and 1, got {getattr(args, name)}")
     if args.budget < MIN_PHASE_S:
@@ -177,9 +277,14 @@ def validate(args: argparse.Namespace) -> list[str]:
     phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not phases:
         errors.append(f"--phases is empty; valid: {', '.join(PHASES)}")
+    names = (*PHASES, *PHASE_GROUPS)
     for name in phases:
-        if name not in PHASES:
-            errors.append(f"--phases: unknown phase {name!r}.{_suggest(name, PHASES)} Valid: {', '.join(PHASES)}")
+        if name not in names:
+            errors.append(
+                f"--phases: unknown phase {name!r}.{_suggest(name, names)} Valid: {', '.join(PHASES)}; "
+                f"groups: {', '.join(PHASE_GROUPS)}"
+            )
+    phases = [x for name in phases for x in PHASE_GROUPS.get(name, (name,))]
     args.phase_list = [x for x in PHASES if x in phases]  # always run in the documented order
     args.caps = dict(DEFAULT_CAPS)
     for item in args.cap:
@@ -301,6 +406,199 @@ def compare_losses(a: list[float], b: list[float], rtol: float) -> dict[str, Any
     return {"ok": rel[worst] <= rtol, "max_rel": rel[worst], "worst_step": worst, "why": ""}
 
 
+def loss_fell(losses: list[float]) -> bool:
+    """Finite, and the mean of the last quarter of the steps below the mean of the first
+    quarter (at least one step each): a per-batch loss is noisy, a trend is not."""
+    if len(losses) < 2 or not all(math.isfinite(x) for x in losses):
+        return False
+    k = max(1, len(losses) // 4)
+    return statistics.fmean(losses[-k:]) < statistics.fmean(losses[:k])
+
+
+# --------------------------------------------------------------------------- Llama arithmetic
+def llama_shape(phase: str, size: str = "default") -> dict[str, Any]:
+    """The model and run of a Llama phase: ``LLAMA_SHAPES`` fields plus rope theta, batch,
+    sequence and world (``size`` "tiny": the tiny model, batch 2 x 32, same world)."""
+    run = dict(LLAMA_RUNS[phase]["default"])
+    if size == "tiny":
+        run.update(TINY_RUN)
+    return {**LLAMA_SHAPES[phase][size], **run}
+
+
+def llama_matmul_params(shape: dict[str, Any]) -> int:
+    """Parameters of a LlamaForCausalLM that take part in matmuls: per layer the q and o
+    projections (hidden x hidden), k and v (hidden x kv_heads * head_dim), the MLP's gate,
+    up and down (3 x hidden x intermediate); and the untied lm_head (hidden x vocab). The
+    embedding is a lookup, the RMSNorm weights are element-wise."""
+    h, n = shape["hidden"], shape["n_layer"]
+    kv = shape["kv_heads"] * (h // shape["heads"])
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate"]
+    return n * per_layer + h * shape["vocab"]
+
+
+def llama_param_count(shape: dict[str, Any]) -> int:
+    """All parameters: the matmul ones, the embedding, two RMSNorms per layer and the final one."""
+    h = shape["hidden"]
+    return llama_matmul_params(shape) + shape["vocab"] * h + (2 * shape["n_layer"] + 1) * h
+
+
+def llama_flops_per_token(shape: dict[str, Any], seq: int) -> float:
+    """Training FLOPs per token of a Llama, counted as for the GPT (``flops_per_token``): 6 per
+    matmul parameter (forward 2, backward 4) plus attention's scores and weighted sum,
+    12 * layers * seq * hidden (hidden = query heads x head dim; grouped-query attention
+    shares k and v between heads but every query head still multiplies, so the kv heads do
+    not change it; the full seq x seq matrix is counted, as for the GPT)."""
+    return 6 * llama_matmul_params(shape) + 12 * shape["n_layer"] * seq * shape["hidden"]
+
+
+def llama_config(shape: dict[str, Any]) -> Any:
+    """The ``transformers.LlamaConfig`` of ``shape``, built with the fields transformers 5.17
+    (the GPU machines') already has: rope theta through ``rope_parameters``, sdpa attention,
+    no KV cache (training), untied lm_head, positions up to the sequence length."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["n_layer"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=shape["seq"],
+        rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+# --------------------------------------------------------------------------- compute profile
+def schedule_totals(report: dict) -> dict[str, int]:
+    """FLOPs and bytes the passes' schedule counts for one training step: every ``compute``
+    event in ``schedule["after"]`` of the forward and backward graphs that run now (the
+    latest compile; every piece where graph breaks split a graph: ``records.current``, as
+    the cost model's ``predicted`` picks them), or of ``report[kind]`` where the report has
+    no per-graph records with a schedule. Per rank: the graphs hold one rank's batch."""
+    from fsdp_overlap_plugin.records import current
+
+    running = current(report.get("graphs") or [], (report.get("config") or {}).get("fullgraph", True))
+    flops = nbytes = graphs = 0
+    for kind in ("forward", "backward"):
+        records = [r for r in running if r.get("graph") == kind and not r.get("inference") and "schedule" in r]
+        if not records and (report.get(kind) or {}).get("schedule"):
+            records = [report[kind]]
+        for record in records:
+            graphs += 1
+            for event in record["schedule"]["after"]:
+                if event["op"] == "compute":
+                    flops += event["flops"]
+                    nbytes += event["bytes"]
+    return {"flops": flops, "bytes": nbytes, "graphs": graphs}
+
+
+# Kinds of kernel (or, on a CPU, of ATen op) by name, first match wins: attention before
+# matmul, as flash-attention kernels are CUTLASS templates too; inductor's generated kernels
+# (triton_*) before copy, as their names carry the ops they fuse (a cast is "_to_copy").
+_KINDS = (
+    ("collective", ("nccl", "c10d", "all_gather", "reduce_scatter", "allgather")),
+    ("attention", ("flash", "fmha", "attention", "scaled_dot_product")),
+    ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "triton_tem_", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("triton", ("triton_",)),
+    ("copy", ("memcpy", "memset", "copy", "catarraybatched", "chunk_cat", "split_with_sizes")),
+)
+
+
+def op_kind(name: str) -> str:
+    """collective, attention, matmul, triton (inductor's generated kernels: element-wise,
+    norms, casts, fused copy-in/out), copy (memcpy, memset, ATen's copy kernels) or other,
+    from a kernel's or op's name."""
+    low = name.lower()
+    for kind, words in _KINDS:
+        if any(w in low for w in words):
+            return kind
+    return "other"
+
+
+def aggregate_ops(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """Profiler rows (``name``, ``seconds``, ``count``; a name may repeat) summed per name:
+    count, total seconds, per step (over ``steps`` profiled steps), share of all the rows'
+    time, and the kind (``op_kind``); longest first."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        entry = by_name.setdefault(
+            row["name"], {"name": row["name"], "kind": op_kind(row["name"]), "count": 0, "total_s": 0.0}
+        )
+        entry["count"] += int(row.get("count", 1))
+        entry["total_s"] += float(row["seconds"])
+    total = sum(e["total_s"] for e in by_name.values())
+    out = []
+    for e in sorted(by_name.values(), key=lambda e: (-e["total_s"], e["name"])):
+        out.append(
+            {
+                **e,
+                "per_step_s": e["total_s"] / steps,
+                "calls_per_step": e["count"] / steps,
+                "share": e["total_s"] / total if total else 0.0,
+            }
+        )
+    return out
+
+
+def compute_profile(
+    rows: list[dict[str, Any]],
+    *,
+    steps: int,
+    step_s: float,
+    schedule: dict[str, int],
+    device: str,
+    torch_version: str,
+    model: dict[str, Any],
+    world: int,
+    model_flops_per_step: float | None = None,
+    matmul_flops_per_s: float | None = None,
+) -> dict[str, Any]:
+    """What compute_profile.json holds (the cost model reads the top-level keys): the device,
+    versions, model and world; ``step_s`` (the median step measured without the profiler);
+    the schedule's FLOPs and bytes per step (``schedule_totals``) and the FLOP rate that step
+    time gives; the model FLOPs MFU counts (``llama_flops_per_token`` x tokens), to hold the
+    schedule's count against; the measured matmul rate (None where the matmul phase did not run); the
+    kernels' time per step and its share of the step (``busy_fraction``), per kind; and
+    ``ops``, every kernel (op on a CPU) aggregated by name (``aggregate_ops``)."""
+    ops = aggregate_ops(rows, steps)
+    kernel_s = sum(o["total_s"] for o in ops) / steps
+    kinds: dict[str, float] = {}
+    for o in ops:
+        kinds[o["kind"]] = kinds.get(o["kind"], 0.0) + o["per_step_s"]
+    profile = {
+        "device": device,
+        "torch": torch_version,
+        "model": model,
+        "world": world,
+        "step_s": step_s,
+        "schedule_flops_per_step": schedule["flops"],
+        "schedule_bytes_per_step": schedule["bytes"],
+        "achieved_flops_per_s": schedule["flops"] / step_s if step_s > 0 else None,
+        "model_flops_per_step": model_flops_per_step,
+        "profiled_steps": steps,
+        "kernel_s_per_step": kernel_s,
+        "busy_fraction": kernel_s / step_s if step_s > 0 else None,
+        "kind_s_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "ops": ops,
+    }
+    return with_matmul_rate(profile, matmul_flops_per_s)
+
+
+def with_matmul_rate(profile: dict[str, Any], matmul_flops_per_s: float | None) -> dict[str, Any]:
+    """``profile`` with the measured matmul rate and the achieved rate's fraction of it (the
+    parent adds them once the matmul phase has run: the world8 process does not know them)."""
+    achieved = profile.get("achieved_flops_per_s")
+    return {
+        **profile,
+        "matmul_flops_per_s": matmul_flops_per_s,
+        "achieved_of_matmul": achieved / matmul_flops_per_s if achieved and matmul_flops_per_s else None,
+    }
+
+
 # --------------------------------------------------------------------------- the plan
 def plan_summary(args: argparse.Namespace, n_layer: int | None = None) -> dict[str, Any]:
     """Build the GPT on the meta device and resolve its plan exactly as ``parallelize``
@@ -325,6 +623,34 @@ def plan_summary(args: argparse.Namespace, n_layer: int | None = None) -> dict[s
         "bucket_bytes": info.bucket_bytes,
         "target_bytes": info.target_bytes,
         "blocks": info.blocks,
+    }
+
+
+def llama_summary(phase: str, size: str = "default") -> dict[str, Any]:
+    """A Llama phase's model built on the meta device (nothing allocated, nothing
+    downloaded): its parameter count (the formula's must agree: ``llama_param_count``),
+    the plugin's auto plan for it, FLOPs per token and tokens per step per rank."""
+    import torch.nn as nn
+
+    from fsdp_overlap_plugin import resolve_plan
+    from fsdp_overlap_plugin.hf import model_from_config
+
+    shape = llama_shape(phase, size)
+    model = model_from_config(llama_config(shape), device="meta")
+    params = sum(p.numel() for p in model.parameters())
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    if (params, matmul) != (llama_param_count(shape), llama_matmul_params(shape)):
+        raise AssertionError(
+            f"{phase}: the model has {params:,} parameters ({matmul:,} in matmuls), the formulas say "
+            f"{llama_param_count(shape):,} ({llama_matmul_params(shape):,})"
+        )
+    return {
+        "shape": shape,
+        "params": params,
+        "matmul_params": matmul,
+        "plan": resolve_plan(model, variant_config("compiled-on")),
+        "flops_per_token": llama_flops_per_token(shape, shape["seq"]),
+        "tokens_per_step": shape["batch"] * shape["seq"],
     }
 
 
@@ -635,31 +961,39 @@ def code_order_check(
         start = time.perf_counter()
         _, codes = run_and_get_code(lambda: loss_fn(model(x), y).backward())
         compile_s = time.perf_counter() - start
-        report = fo.schedule_report(model)
-        plan = report["plan"]
-        expected = expected_gathers(model, plan, world, report)
-        problems = list(expected["problems"])
-        if len(codes) != 2:
-            problems.append(f"expected 2 generated modules (forward, backward), got {len(codes)}")
-            codes = (list(codes) + ["", ""])[:2]
-        problems += check_code_order(codes[0], expected["forward"], expected["forward_needs_compute"], "forward")
-        problems += check_code_order(codes[1], expected["backward"], expected["backward_needs_compute"], "backward")
-        return {
-            "world": world,
-            "model": kwargs,
-            "plan": plan,
-            "compile_s": compile_s,
-            "expected": {k: v for k, v in expected.items() if k != "problems"},
-            "windows": {
-                kind: [w.__dict__ for w in gather_windows(code)] for kind, code in zip(("forward", "backward"), codes)
-            },
-            "passes": {k: (report.get(k) or {}).get("passes") for k in ("forward", "backward")},
-            "problems": problems,
-            "codes": list(codes),
-        }
+        return {"world": world, "model": kwargs, "compile_s": compile_s, **check_generated_code(model, codes, world)}
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
+
+
+def check_generated_code(model: Any, codes: list[str], world: int) -> dict[str, Any]:
+    """Inductor's generated forward and backward modules of a parallelized ``model``'s first
+    step (``run_and_get_code``) against its plan and the passes' record (``expected_gathers``,
+    ``check_code_order``): the plan, what was expected, each all-gather's window, the passes'
+    statistics, the problems (empty: all good) and the code itself."""
+    import fsdp_overlap_plugin as fo
+
+    report = fo.schedule_report(model)
+    plan = report["plan"]
+    expected = expected_gathers(model, plan, world, report)
+    problems = list(expected["problems"])
+    codes = list(codes)
+    if len(codes) != 2:
+        problems.append(f"expected 2 generated modules (forward, backward), got {len(codes)}")
+        codes = (codes + ["", ""])[:2]
+    problems += check_code_order(codes[0], expected["forward"], expected["forward_needs_compute"], "forward")
+    problems += check_code_order(codes[1], expected["backward"], expected["backward_needs_compute"], "backward")
+    return {
+        "plan": plan,
+        "expected": {k: v for k, v in expected.items() if k != "problems"},
+        "windows": {
+            kind: [w.__dict__ for w in gather_windows(code)] for kind, code in zip(("forward", "backward"), codes)
+        },
+        "passes": {k: (report.get(k) or {}).get("passes") for k in ("forward", "backward")},
+        "problems": problems,
+        "codes": codes,
+    }
 
 
 def phase_code_order(args: argparse.Namespace) -> dict[str, Any]:
@@ -670,6 +1004,352 @@ def phase_code_order(args: argparse.Namespace) -> dict[str, Any]:
     for kind, code in zip(("forward", "backward"), result.pop("codes")):
         (out / f"code_{kind}.py").write_text(code)
     return result
+
+
+def _save_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Write what a phase has so far to its result file (status "partial"): a phase stopped
+    at its time limit still leaves the variants it finished for the parent's table."""
+    if args._result:
+        Path(args._result).write_text(json.dumps({**result, "status": "partial"}, indent=1, default=str))
+
+
+def fully_shard_and_compile(model: Any, mesh: Any, backend: str) -> Any:
+    """torch's own FSDP2 as users combine it with compile: ``fully_shard`` on every decoder
+    layer and on the root, bf16 parameters and fp32 gradient reduction, then
+    ``torch.compile`` of the whole model (FSDP2's hooks run outside the graphs: Dynamo
+    breaks the graph around each layer)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_overlap_plugin.hf import prepare_for_compile
+
+    prepare_for_compile(model)  # as parallelize does: no logger call inside the loss
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return torch.compile(model, backend=backend)
+
+
+def profiler_rows(step: Any, steps: int, device_type: str) -> list[dict[str, Any]]:
+    """Run ``step(i)`` ``steps`` times under torch.profiler; one row per kernel name (per
+    ATen op on a CPU): ``name``, ``seconds`` (its own device time; CPU time on a CPU),
+    ``count``. Kernels only on a GPU, so an op and the kernels it launched are not both counted."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device_type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for avg in prof.key_averages():
+        if cuda:
+            if avg.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(avg, "self_device_time_total", None)
+            us = avg.self_cuda_time_total if us is None else us
+        else:
+            if avg.device_type != DeviceType.CPU:
+                continue
+            us = avg.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": avg.key, "seconds": us / 1e6, "count": avg.count})
+    return rows
+
+
+def train_llama(
+    variant: str,
+    shape: dict[str, Any],
+    batches: list[Any],
+    args: argparse.Namespace,
+    mesh: Any,
+    *,
+    capture_code: bool = False,
+    profile_steps: int = 0,
+) -> dict[str, Any]:
+    """Build the Llama of ``shape`` on the device (same seed: both variants start from the
+    same weights), shard and compile it the ``variant`` way on ``mesh``, train warmup +
+    llama_steps AdamW steps on the two ``batches`` (its own causal-LM loss,
+    ``labels=input_ids``). ``capture_code``: keep inductor's code of the first step and check
+    it (``check_generated_code``); ``profile_steps``: profile that many more steps."""
+    import torch
+
+    import fsdp_overlap_plugin as fo
+    from fsdp_overlap_plugin.hf import model_from_config
+
+    device = args._device
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    backend = "inductor" if cuda else "aot_eager"  # aot_eager: a CPU test compiles in seconds
+    torch._dynamo.reset()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # this variant's peak (the last one's memory is freed)
+    torch.manual_seed(args.seed)
+    model = model_from_config(llama_config(shape), device=device)
+    params = sum(p.numel() for p in model.parameters())
+    attention = getattr(model.config, "_attn_implementation", None)
+    start = time.perf_counter()
+    if variant == "plugin":
+        fo.parallelize(model, {**variant_config("compiled-on"), "backend": backend}, mesh=mesh)
+        run = model
+    else:
+        run = fully_shard_and_compile(model, mesh, backend)
+    setup_s = time.perf_counter() - start
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def step(i: int) -> Any:
+        ids = batches[i % len(batches)]
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    losses, times, codes = [], [], None
+    for i in range(args.warmup + args.llama_steps):
+        sync()
+        start = time.perf_counter()
+        if i == 0 and capture_code:
+            from torch._inductor.utils import run_and_get_code
+
+            loss, codes = run_and_get_code(step, i)
+        else:
+            loss = step(i)
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        print(f"{variant} step {i}: loss {losses[-1]:.5f}  {times[-1]:.3f} s", flush=True)
+    step_s = statistics.median(times[args.warmup :])
+    out: dict[str, Any] = {
+        "params": params,
+        "attention": attention,
+        "setup_s": setup_s,
+        "first_step_s": times[0],
+        "compile_s": max(times[0] - step_s, 0.0),
+        "step_s": step_s,
+        "step_times": times,
+        "losses": losses,
+        "tokens_per_step": shape["batch"] * shape["seq"],
+        "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+        "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+    }
+    if variant == "plugin":
+        report = fo.schedule_report(model)
+        print(fo.format_report(report), flush=True)
+        out["schedule"] = schedule_totals(report)
+        out["collectives"] = {k: (report.get(k) or {}).get("after") for k in ("forward", "backward")}
+        if codes is not None:
+            out["code"] = check_generated_code(model, codes, shape["world"])
+    if profile_steps:
+        out["profile_rows"] = profiler_rows(step, profile_steps, device)
+    return out
+
+
+def _free_models(cuda: bool) -> None:
+    """Release what a finished variant held: Dynamo's caches keep its model alive."""
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def phase_llama(args: argparse.Namespace, phase: str) -> dict[str, Any]:
+    """hf-1rank (one NCCL rank; gloo on a CPU) or world8 (a fake process group of 8 ranks on
+    the device): both variants, one after the other in this process, on the same batches
+    of counting sequences (learnable, so the loss falls). The plugin runs first, into a cold
+    compile cache; torch's variant reuses the kernels the two have in common (the same
+    process), so its first step is if anything flattered. A variant that fails is reported
+    and the other still runs. World8 also checks the plugin step's generated code and
+    writes compute_profile.json."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_overlap_plugin.models import counting_sequences
+
+    shape = llama_shape(phase, args._size)
+    device, world = args._device, shape["world"]
+    cuda = device == "cuda"
+    if world == 1:
+        _init_world_of_one(device)
+    else:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    result: dict[str, Any] = {
+        "shape": shape,
+        "world": world,
+        "params": llama_param_count(shape),
+        "flops_per_token": llama_flops_per_token(shape, shape["seq"]),
+        "tokens_per_step": shape["batch"] * shape["seq"],
+        "variants": {},
+        "problems": [],
+    }
+    out = Path(args.out)
+    try:
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("shard",))
+        tokens = counting_sequences(2 * shape["batch"], shape["seq"], shape["vocab"], seed=args.seed)
+        batches = [t.to(device) for t in tokens.split(shape["batch"])]
+        for variant in LLAMA_VARIANTS:
+            plugin_world8 = phase == "world8" and variant == "plugin"
+            try:
+                r = train_llama(
+                    variant,
+                    shape,
+                    batches,
+                    args,
+                    mesh,
+                    capture_code=plugin_world8 and cuda,  # inductor's code: the GPU's (aot_eager on a CPU has none)
+                    profile_steps=args.profile_steps if plugin_world8 else 0,
+                )
+                r["status"] = "ok"
+            except Exception as exc:  # the other variant still runs
+                traceback.print_exc()
+                r = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                result["problems"].append(f"{variant}: {r['error']}")
+            _free_models(cuda)
+            if "code" in r:
+                for kind, code in zip(("forward", "backward"), r["code"].pop("codes")):
+                    (out / f"code_{phase}_{kind}.py").write_text(code)
+            if "profile_rows" in r:
+                profile = compute_profile(
+                    r.pop("profile_rows"),
+                    steps=args.profile_steps,
+                    step_s=r["step_s"],
+                    schedule=r["schedule"],
+                    device=torch.cuda.get_device_name(0) if cuda else "cpu",
+                    torch_version=torch.__version__,
+                    model={k: v for k, v in shape.items() if k != "world"},
+                    world=world,
+                    model_flops_per_step=result["flops_per_token"] * result["tokens_per_step"],
+                )
+                (out / PROFILE_FILE).write_text(json.dumps(profile, indent=1))
+                r["profile"] = {k: v for k, v in profile.items() if k != "ops"}
+                r["profile"]["ops"] = len(profile["ops"])
+                r["profile"]["top"] = profile["ops"][:10]
+            result["variants"][variant] = r
+            _save_partial(args, result)
+        return result
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- paths (examples)
+PATH_LABELS = {
+    "lightning": "Lightning Trainer (examples/hf_lightning.py)",
+    "accelerate": "accelerate launch (examples/hf_accelerate.py)",
+}
+
+
+def accelerate_launcher() -> list[str]:
+    """``accelerate launch`` of this Python: the console script beside the interpreter when
+    there is one, else the module it runs."""
+    script = Path(sys.executable).with_name("accelerate")
+    if script.is_file():
+        return [str(script), "launch"]
+    return [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def path_commands(args: argparse.Namespace, folder: Path, yaml_path: Path | None = None) -> dict[str, list[str]]:
+    """The two examples as a user runs them on a one-GPU machine, from the repository root:
+    the Lightning Trainer on 1 GPU with bf16-mixed (the example's default precision), and
+    ``accelerate launch`` of 1 process with configs/overlap.yaml as the docs show it (its
+    mixed_precision 'no': fp32). Each writes its losses to ``folder``. On a CPU (tests): 1 CPU device, the Lightning strategy and the
+    Accelerate YAML (``yaml_path``, a copy of configs/overlap.yaml) on aot_eager."""
+    cuda = args._device == "cuda"
+    steps = str(args.path_steps)
+    lightning = [sys.executable, "examples/hf_lightning.py", "--accelerator", "gpu" if cuda else "cpu"]
+    lightning += ["--devices", "1", "--steps", steps, "--metrics", str(folder / "paths_lightning.json")]
+    if not cuda:
+        lightning += ["--backend", "aot_eager"]
+    config = yaml_path or REPO / "configs" / "overlap.yaml"
+    accelerate = [*accelerate_launcher(), "--config_file", str(config), "--num_processes", "1"]
+    accelerate += ["examples/hf_accelerate.py"]
+    accelerate += ["--steps", steps, "--metrics", str(folder / "paths_accelerate.json")]
+    return {"lightning": lightning, "accelerate": accelerate}
+
+
+def read_path_losses(metrics: Path, log: Path) -> list[float]:
+    """An example's losses per step: from its --metrics JSON (the Lightning example writes a
+    list, the Accelerate one a dict by step), else its printed ``step N: loss X`` lines."""
+    try:
+        losses = json.loads(metrics.read_text())["losses"]
+        if isinstance(losses, dict):
+            losses = [losses[k] for k in sorted(losses, key=int)]
+        return [float(x) for x in losses]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [float(x) for x in re.findall(r"^step \d+: loss ([-+\d.eE]+|nan|inf)", text, re.M)]
+
+
+def phase_paths(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the Lightning and the Accelerate example, one after the other, each with its
+    output in paths_NAME.log in --out; each must exit 0 with its loss falling (``loss_fell``).
+    Each gets at most an even share of what is left of the phase's limit (the parent passes
+    it as $GPU_CHECK_PHASE_LIMIT), so a hang in the first leaves time for the second."""
+    limit = float(os.environ.get("GPU_CHECK_PHASE_LIMIT") or DEFAULT_CAPS["paths"])
+    deadline = time.monotonic() + limit - 5
+    out = Path(args.out)
+    folder = Path(tempfile.mkdtemp(prefix="gpu_check_paths_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    yaml_path = None
+    if args._device != "cuda":
+        yaml_path = folder / "overlap.yaml"
+        text = (REPO / "configs" / "overlap.yaml").read_text()
+        yaml_path.write_text(re.sub(r"(?m)^(\s*fsdp_overlap_backend:)\s*inductor", r"\1 aot_eager", text))
+    commands = path_commands(args, folder, yaml_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    for name in ("FSDP_OVERLAP_CONFIG", "LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)  # nothing an outer launcher exported: a user's shell
+    previous = signal.signal(signal.SIGTERM, _stop_current_and_exit)
+    runs = {}
+    try:
+        for k, (name, cmd) in enumerate(commands.items()):
+            log = out / f"paths_{name}.log"
+            log.unlink(missing_ok=True)
+            share = max(MIN_PHASE_S, (deadline - time.monotonic()) / (len(commands) - k))
+            print(f"[paths] {shlex.join(cmd)} (limit {share:.0f} s)", flush=True)
+            status, seconds = run_child(cmd, log, share, env)
+            losses = read_path_losses(folder / f"paths_{name}.json", log)
+            runs[name] = {
+                "label": PATH_LABELS[name],
+                "command": cmd,
+                "status": status,
+                "wall_s": seconds,
+                "losses": losses,
+                "falling": loss_fell(losses),
+                "log": log.name,
+            }
+            print(f"[paths] {name}: {status} in {seconds:.0f} s; losses {losses[:1]} ... {losses[-1:]}", flush=True)
+            if status != "ok":
+                print(_tail(log, 30), flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return {"runs": runs}
+
+
+def _stop_current_and_exit(signum: int, frame: Any) -> None:
+    """A phase process told to stop ends the example it started (its own process group) first."""
+    if _CURRENT_CHILD is not None:
+        _stop(_CURRENT_CHILD)
+    sys.exit(1)
 
 
 def run_phase(args: argparse.Namespace) -> int:
@@ -683,6 +1363,10 @@ def run_phase(args: argparse.Namespace) -> int:
             result = phase_code_order(args)
         elif args._phase in TRAIN_PHASES:
             result = phase_train(args, args._phase)
+        elif args._phase in LLAMA_PHASES:
+            result = phase_llama(args, args._phase)
+        elif args._phase == "paths":
+            result = phase_paths(args)
         else:
             raise ValueError(f"phase {args._phase!r} does not run in a child")
         result["status"] = "ok"
@@ -702,7 +1386,7 @@ def result_file(folder: Path, phase: str) -> Path:
 
 # the options a phase process needs (the parent forwards them; everything else stays with it)
 FORWARDED = ("n_layer", "d_model", "n_head", "vocab", "batch", "seq", "steps", "warmup", "lr", "seed")
-FORWARDED += ("code_layers", "code_world", "_device")
+FORWARDED += ("code_layers", "code_world", "llama_steps", "profile_steps", "path_steps", "_device", "_size")
 
 
 def child_command(args: argparse.Namespace, phase: str, result: str | Path) -> list[str]:
@@ -840,6 +1524,62 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def llama_rows(runs: dict[str, PhaseRun], matmul_rate: float | None) -> list[dict[str, Any]]:
+    """One row per Llama phase and variant (the plugin, torch's fully_shard + compile), with
+    the derived numbers; a variant that did not finish shows its own status, or the phase's
+    (a phase stopped at its limit keeps the variants it finished). No final loss at world 8:
+    on a fake process group the losses mean nothing."""
+    rows = []
+    for phase in LLAMA_PHASES:
+        run = runs.get(phase)
+        if run is None:
+            continue
+        r = run.result or {}
+        for variant, label in LLAMA_VARIANTS.items():
+            v = (r.get("variants") or {}).get(variant) or {}
+            status = v.get("status") or (run.status if run.status != "ok" else "not run")
+            row = {"phase": phase, "variant": variant, "label": f"{phase}: {label}", "status": status}
+            if status == "ok":
+                row.update(
+                    compile_s=v["compile_s"],
+                    first_step_s=v["first_step_s"],
+                    step_s=v["step_s"],
+                    peak_gib=v["peak_allocated"] / 2**30 if v.get("peak_allocated") is not None else None,
+                    final_loss=v["losses"][-1] if r.get("world") == 1 else None,
+                    **throughput(v["tokens_per_step"], v["step_s"], r["flops_per_token"], matmul_rate),
+                )
+            rows.append(row)
+    return rows
+
+
+def step_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per Llama phase, the plugin's median step time over torch's (below 1: the plugin is faster)."""
+    steps = {(r["phase"], r["variant"]): r.get("step_s") for r in rows}
+    return {
+        phase: steps[(phase, "plugin")] / steps[(phase, "fully_shard")]
+        for phase in LLAMA_PHASES
+        if steps.get((phase, "plugin")) and steps.get((phase, "fully_shard"))
+    }
+
+
+def format_paths(result: dict[str, Any]) -> list[str]:
+    """The paths table: each example's status, wall time and losses, and its command."""
+    lines = ["| path | status | wall s | steps | loss, first -> last quarter (mean) |", "|---|---|---|---|---|"]
+    commands = []
+    for name, r in (result.get("runs") or {}).items():
+        losses = r.get("losses") or []
+        k = max(1, len(losses) // 4)
+        trend = (
+            f"{statistics.fmean(losses[:k]):.4f} -> {statistics.fmean(losses[-k:]):.4f}"
+            + ("" if r.get("falling") else " (not falling)")
+            if len(losses) >= 2
+            else "-"
+        )
+        lines.append(f"| {r['label']} | {r['status']} | {r['wall_s']:.0f} | {len(losses)} | {trend} |")
+        commands.append(f"- {name}: `{shlex.join(r['command'])}` (output: {r['log']})")
+    return lines + ["", *commands]
+
+
 def evaluate(runs: dict[str, PhaseRun], args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     """Every check: (name, passed, detail). A phase that did not finish is a failed check."""
     checks = []
@@ -877,7 +1617,137 @@ def evaluate(runs: dict[str, PhaseRun], args: argparse.Namespace) -> list[tuple[
             else f"{n} forward / {m} backward all-gathers in planned order, each hidden behind compute"
         )
         checks.append(("generated code keeps the bucketed collectives in order", not problems, detail))
+    checks += llama_checks(runs, args)
+    paths = runs.get("paths")
+    if paths and paths.status == "ok":
+        for r in (paths.result.get("runs") or {}).values():
+            losses = r.get("losses") or []
+            trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps" if losses else "no losses read"
+            ok = r["status"] == "ok" and r.get("falling", False)
+            checks.append(
+                (f"paths: {r['label']} exits 0, loss falling", ok, f"{r['status']} in {r['wall_s']:.0f} s; {trend}")
+            )
     return checks
+
+
+def llama_checks(runs: dict[str, PhaseRun], args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """hf-1rank: each variant ran, its loss is finite and falls (``loss_fell``), and the two
+    agree per step within --llama-rtol. World8: each variant ran, the plugin step's
+    generated code keeps the bucketed collectives in order, the compute profile has kernels
+    and schedule FLOPs. (World8's losses are not checked: a fake process group gathers nothing.)"""
+    checks = []
+    for phase in LLAMA_PHASES:
+        run = runs.get(phase)
+        if run is None or run.status != "ok":
+            continue  # reported as a failed phase
+        variants = run.result.get("variants") or {}
+        for variant, v in variants.items():
+            if v.get("status") != "ok":
+                checks.append((f"{phase}: {LLAMA_VARIANTS[variant]} ran", False, v.get("error", "not run")))
+            elif phase == "hf-1rank":
+                losses = v["losses"]
+                checks.append(
+                    (
+                        f"{phase}: {variant} loss finite and falling",
+                        loss_fell(losses),
+                        f"{losses[0]:.4f} -> {losses[-1]:.4f}",
+                    )
+                )
+        ok = {k: v for k, v in variants.items() if v.get("status") == "ok"}
+        if phase == "hf-1rank" and len(ok) == 2:
+            cmp = compare_losses(ok["fully_shard"]["losses"], ok["plugin"]["losses"], args.llama_rtol)
+            detail = cmp["why"] or (
+                f"max relative difference {cmp['max_rel']:.2e} at step {cmp['worst_step']} (rtol {args.llama_rtol})"
+            )
+            checks.append((f"{phase}: losses agree: fully_shard vs plugin", cmp["ok"], detail))
+        plugin = ok.get("plugin") or {}
+        if "code" in plugin:
+            code = plugin["code"]
+            n, m = (len(code["windows"].get(k, [])) for k in ("forward", "backward"))
+            detail = (
+                "; ".join(code["problems"])
+                if code["problems"]
+                else f"{n} forward / {m} backward all-gathers in planned order, each hidden behind compute"
+            )
+            checks.append(
+                (f"{phase}: generated code keeps the bucketed collectives in order", not code["problems"], detail)
+            )
+        if "profile" in plugin:
+            prof = plugin["profile"]
+            good = prof["ops"] > 0 and prof["schedule_flops_per_step"] > 0
+            checks.append(
+                (
+                    f"{phase}: compute profile written ({PROFILE_FILE})",
+                    good,
+                    f"{prof['ops']} kernels over {prof['profiled_steps']} steps; "
+                    f"schedule {prof['schedule_flops_per_step'] / 1e12:.2f} TFLOP per step",
+                )
+            )
+    return checks
+
+
+def llama_lines(args: argparse.Namespace, runs: dict[str, PhaseRun], rows: list[dict[str, Any]]) -> list[str]:
+    """The Llama section of summary.md: the models, the table, the step-time ratios, what
+    a fake process group measures, and the compute profile's headline."""
+    lines = []
+    for phase in LLAMA_PHASES:
+        if phase not in runs:
+            continue
+        shape = llama_shape(phase, args._size)
+        where = (
+            "one NCCL rank"
+            if shape["world"] == 1
+            else f"a fake process group of {shape['world']} ranks on the GPU (tokens per rank)"
+        )
+        lines.append(
+            f"- {phase}: LlamaForCausalLM, {shape['n_layer']} layers, hidden {shape['hidden']}, intermediate "
+            f"{shape['intermediate']}, {shape['heads']} heads / {shape['kv_heads']} kv heads, vocab {shape['vocab']}, "
+            f"rope theta {shape['rope_theta']:g} ({llama_param_count(shape) / 1e9:.2f}B parameters, sdpa); batch "
+            f"{shape['batch']} x {shape['seq']} tokens; {where}; "
+            f"{llama_flops_per_token(shape, shape['seq']) / 1e9:.2f} GFLOP/token"
+        )
+    lines += [
+        f"- both variants: bf16 params / fp32 reduce, AdamW lr {args.lr}, {args.warmup} warm-up + {args.llama_steps} "
+        "timed steps, the same weights and batches. plugin: parallelize() with its defaults (auto plan, every "
+        "pass on, inductor); torch: fully_shard per decoder layer and on the root (MixedPrecisionPolicy bf16 / "
+        "fp32), then torch.compile(model). The plugin runs first: torch's variant reuses the kernels they share "
+        "(one process), so its first step is if anything flattered",
+        "- MFU: 6 x matmul params + 12 x layers x hidden x seq FLOPs per token over the measured bf16 matmul rate",
+        "",
+        format_table(rows),
+        "",
+    ]
+    ratios = step_ratios(rows)
+    if ratios:
+        lines.append(
+            "Step time, plugin / torch: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+            + " (below 1: the plugin's step is shorter)."
+        )
+    if "hf-1rank" in runs:
+        lines.append(
+            "hf-1rank, one rank: DTensor skips the gather on a 1-rank mesh, so the plugin's graphs hold no "
+            "collectives; the rows compare the compiled compute (one graph vs one per layer around FSDP2's hooks)."
+        )
+    if "world8" in runs:
+        lines.append(
+            "world8, a fake process group: its collectives move no data, so these rows are the compute side only "
+            "(copy-in/out, casts, kernels), not communication or overlap, and its losses mean nothing (the "
+            "gathered parameters are whatever the buffers held); at 8 real ranks overlap is what separates them."
+        )
+        prof = ((runs["world8"].result.get("variants") or {}).get("plugin") or {}).get("profile")
+        if prof:
+            kinds = prof.get("kind_s_per_step") or {}
+            busy = prof.get("kernel_s_per_step") or 0.0
+            shares = ", ".join(f"{k} {100 * v / busy:.0f}%" for k, v in kinds.items()) if busy else "-"
+            achieved = prof.get("achieved_flops_per_s")
+            lines.append(
+                f"Compute profile of the world8 plugin step ({PROFILE_FILE}, {prof['profiled_steps']} steps): "
+                f"kernels {busy:.3f} s per {prof['step_s']:.3f} s step ({100 * (prof.get('busy_fraction') or 0):.0f}% "
+                f"busy; {shares}); the schedule counts {prof['schedule_flops_per_step'] / 1e12:.1f} TFLOP per step, "
+                f"{_fmt(achieved and achieved / 1e12, '.0f')} TFLOP/s at the measured step time."
+            )
+    return lines
 
 
 def write_files(
@@ -888,6 +1758,7 @@ def write_files(
     fpt = flops_per_token(cfg, args.seq)
     rate = env_info.get("matmul_flops_per_s")
     rows = table_rows(runs, fpt, rate)
+    l_rows = llama_rows(runs, rate)
     checks = evaluate(runs, args)
     passed = final and all(ok for _, ok, _ in checks) and all(r.status == "ok" for r in runs.values())
     lines = [
@@ -896,23 +1767,38 @@ def write_files(
         f"- device: {env_info.get('device', '?')} (compute capability {env_info.get('capability', '?')}, "
         f"{_fmt((env_info.get('total_memory') or 0) / 2**30 or None, '.0f')} GiB); torch {env_info.get('torch', '?')}, "
         f"CUDA {env_info.get('cuda', '?')}, triton {env_info.get('triton', '?')}, NCCL {env_info.get('nccl', '?')}",
-        f"- model: gpt_1b({', '.join(f'{k}={v}' for k, v in cfg.items())}), {param_count(cfg) / 1e9:.2f}B parameters; "
-        f"batch {args.batch} x {args.seq} tokens; {args.warmup} warm-up + {args.steps} timed steps; AdamW lr {args.lr}",
-        "- bf16 params, fp32 reduce, auto plan, inductor; one NCCL rank (world of 1)",
-        f"- MFU: model FLOPs ({fpt / 1e9:.2f} GFLOP/token, 6 x matmul params + attention) over the measured bf16 "
-        f"matmul rate ({_fmt(rate and rate / 1e12, '.0f')} TFLOP/s); compile s = first step - median step; "
-        "each phase compiles into its own empty inductor cache",
-        "",
-        format_table(rows),
-        "",
-        "World of one: DTensor skips the gather on a 1-rank mesh, so these compiled graphs hold no",
-        "collectives and passes off/on compile nearly the same graph. The rows measure the GPU compile",
-        "path and its compute-side cost, not overlap. The collectives' order in inductor's GPU code is",
-        f"checked on a fake process group of {args.code_world} ranks (code-order phase, {args.code_layers} blocks).",
-        "",
-        "## Checks",
-        "",
+        f"- bf16 matmul rate (MFU's denominator): {_fmt(rate and rate / 1e12, '.0f')} TFLOP/s; "
+        "compile s = first step - median step; each phase compiles into its own empty inductor cache",
     ]
+    if any(p in runs for p in GPT_PHASES):
+        lines += [
+            "",
+            "## GPT (gpt_1b)",
+            "",
+            f"- model: gpt_1b({', '.join(f'{k}={v}' for k, v in cfg.items())}), {param_count(cfg) / 1e9:.2f}B parameters; "
+            f"batch {args.batch} x {args.seq} tokens; {args.warmup} warm-up + {args.steps} timed steps; AdamW lr {args.lr}",
+            "- bf16 params, fp32 reduce, auto plan, inductor; one NCCL rank (world of 1)",
+            f"- MFU: model FLOPs ({fpt / 1e9:.2f} GFLOP/token, 6 x matmul params + attention) over the measured bf16 "
+            "matmul rate",
+            "",
+            format_table(rows),
+            "",
+            "World of one: DTensor skips the gather on a 1-rank mesh, so these compiled graphs hold no",
+            "collectives and passes off/on compile nearly the same graph. The rows measure the GPU compile",
+            "path and its compute-side cost, not overlap. The collectives' order in inductor's GPU code is",
+            f"checked on a fake process group of {args.code_world} ranks (code-order phase, {args.code_layers} blocks).",
+        ]
+    if any(p in runs for p in LLAMA_PHASES):
+        lines += ["", "## Transformers Llama: the plugin vs torch's FSDP2 (fully_shard + torch.compile)", ""]
+        lines += llama_lines(args, runs, l_rows)
+    if "paths" in runs:
+        lines += ["", "## Lightning and Accelerate on the GPU (paths)", ""]
+        paths = runs["paths"]
+        if paths.result.get("runs"):
+            lines += format_paths(paths.result)
+        else:
+            lines.append(f"(not run: {paths.status})")
+    lines += ["", "## Checks", ""]
     lines += [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in checks]
     counts = []
     for p in ("compiled-off", "compiled-on"):
@@ -935,6 +1821,8 @@ def write_files(
         "env": env_info,
         "flops_per_token": fpt,
         "rows": rows,
+        "llama_rows": l_rows,
+        "llama_step_ratios": step_ratios(l_rows),
         "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks],
         "phases": {name: {**r.__dict__} for name, r in runs.items()},
         "passed": passed,
@@ -967,18 +1855,43 @@ def dry_run(args: argparse.Namespace, out: Path, say: Console) -> int:
     )
     say("memory estimate (one rank holds everything): " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in mem.items()))
     say(f"code-order model: {args.code_layers} blocks, {len(code_info['plan'])} buckets, fake world {args.code_world}")
-    say(f"budget: {args.budget:.0f} s in all; phases in order, with their limits:")
-    tmp = Path(tempfile.gettempdir()) / "gpu_check_XXXX"
-    for phase in args.phase_list:
+    llamas = {}
+    for phase in LLAMA_PHASES:
+        llamas[phase] = info_l = llama_summary(phase, args._size)
+        shape = info_l["shape"]
         say(
-            f"  {phase:<12} <= {args.caps[phase]:.0f} s   {shlex.join(child_command(args, phase, result_file(tmp, phase)))}"
+            f"{phase}: LlamaForCausalLM({', '.join(f'{k}={v}' for k, v in shape.items())}): {info_l['params']:,} "
+            f"parameters ({info_l['params'] / 1e9:.2f}B), built on the meta device; {len(info_l['plan'])} buckets "
+            f"(auto), {info_l['flops_per_token'] / 1e9:.2f} GFLOP/token, {info_l['tokens_per_step']:,} tokens and "
+            f"{info_l['flops_per_token'] * info_l['tokens_per_step'] / 1e12:.1f} TFLOP per step per rank"
         )
+    tmp = Path(tempfile.gettempdir()) / "gpu_check_XXXX"
+    chosen = set(args.phase_list)
+    expected = sum(ESTIMATED_S[p] for p in args.phase_list)
+    say(
+        f"budget: {args.budget:.0f} s in all, ~{expected} s expected on one H200/H100 (cold caches); phases in "
+        "order, with their limits and expected seconds (opt-in: not in this run):"
+    )
+    for phase in PHASES:
+        mark = "         " if phase in chosen else "(opt-in) "
+        say(
+            f"  {phase:<12} <= {args.caps[phase]:.0f} s  ~{ESTIMATED_S[phase]:>3} s  "
+            f"{mark}{shlex.join(child_command(args, phase, result_file(tmp, phase)))}"
+        )
+    examples = path_commands(args, tmp)
+    say("  paths runs, from the repository root:")
+    for name, cmd in examples.items():
+        say(f"    {name:<10} {shlex.join(cmd)}")
     payload = {
         **info,
         "code_order_plan": code_info["plan"],
         "flops_per_token": fpt,
         "memory_estimate": mem,
-        "commands": {p: child_command(args, p, result_file(tmp, p)) for p in args.phase_list},
+        "llama": llamas,
+        "phases": list(args.phase_list),
+        "expected_s": {p: ESTIMATED_S[p] for p in args.phase_list},
+        "commands": {p: child_command(args, p, result_file(tmp, p)) for p in PHASES},
+        "path_commands": examples,
     }
     (out / "dry_run.json").write_text(json.dumps(payload, indent=1))
     say(f"written: {out / 'dry_run.json'}")
@@ -993,7 +1906,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("console.log", "phases.log"):
+    for name in ("console.log", "phases.log", PROFILE_FILE):
         (out / name).unlink(missing_ok=True)
     say = Console(out / "console.log")
     if args.dry_run:
@@ -1047,6 +1960,7 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache))
             env["TRITON_CACHE_DIR"] = str(cache / "triton")
             env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+            env["GPU_CHECK_PHASE_LIMIT"] = f"{run.limit:.0f}"  # paths shares it between its two examples
             say(f"[{phase}] running (limit {run.limit:.0f} s)")
             run.status, run.seconds = run_child(child_command(args, phase, result), out / "phases.log", run.limit, env)
             if phase == "tests" and result.exists():
@@ -1061,6 +1975,11 @@ def main(argv: list[str] | None = None) -> int:
                 run.note = f"stopped after {run.limit:.0f} s (raise it with --cap {phase}=SECONDS or shrink the model)"
             if phase == "matmul" and run.status == "ok":
                 env_info.update(run.result)
+            profile = out / PROFILE_FILE
+            if phase == "world8" and profile.exists() and env_info.get("matmul_flops_per_s"):
+                # the world8 process does not know the matmul phase's rate: add it here
+                data = with_matmul_rate(json.loads(profile.read_text()), env_info["matmul_flops_per_s"])
+                profile.write_text(json.dumps(data, indent=1))
             say(f"[{phase}] {run.status} in {run.seconds:.0f} s" + (f": {run.note}" if run.note else ""))
             if run.status != "ok":
                 say("  last lines of phases.log:\n    " + _tail(out / "phases.log").replace("\n", "\n    "))

@@ -18,6 +18,7 @@ Works on GPUs (nccl), Ascend NPUs (hccl) and, for development, on a CPU-only mac
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -87,12 +88,14 @@ total = sum(p.numel() for p in model.parameters())
 shard = next(model.parameters()).to_local()
 # On a CPU every rank is a process on the same CPU (accelerator.device says "cpu" for all)
 where = str(shard.device) if shard.device.type != "cpu" else f"CPU process {os.getpid()}"
-print(
+# One write per line: the ranks share the terminal, and print()'s separate newline write
+# lets another rank's line start in the middle of this one.
+sys.stdout.write(
     f"[rank {accelerator.process_index}/{accelerator.num_processes}] {where}, "
     f"{type(model).__name__} not wrapped, holds {local} of {total} parameter elements "
-    f"({type(next(model.parameters())).__name__} shards)",
-    flush=True,
+    f"({type(next(model.parameters())).__name__} shards)\n"
 )
+sys.stdout.flush()
 accelerator.wait_for_everyone()
 
 losses = {}

@@ -4,11 +4,13 @@ compiled with the overlap passes, on 2 CPU ranks (gloo) by default. Rank 0 print
 schedule summary at the end.
 
     python examples/hf_lightning.py                                        # 2 CPU ranks (Lightning starts the second)
+    python examples/hf_lightning.py --accelerator gpu --devices 1          # one GPU (nccl)
     torchrun --standalone --nproc-per-node 2 examples/hf_lightning.py --steps 3
     python examples/hf_lightning.py --config-json path/to/config.json      # any local transformers config.json
     python examples/hf_lightning.py --weights path/to/folder               # a folder written by save_pretrained
     python examples/hf_lightning.py --meta                                 # build on the meta device
     python examples/hf_lightning.py --export trained/                      # save the trained model (from_pretrained loads it)
+    python examples/hf_lightning.py --backend aot_eager                    # no code generation: quicker to start
 
 Nothing is downloaded: the default model is the tiny Llama of
 ``fsdp_overlap_plugin.models.TINY_LLAMA`` (``lm_head`` shares the embedding's weight),
@@ -39,6 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_overlap_plugin as fo  # registers strategy="fsdp_overlap"
 from fsdp_overlap_plugin.hf import load_config, model_from_config
+from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
 from fsdp_overlap_plugin.models import TINY_LLAMA, counting_sequences
 
 # ---- settings (nanoGPT style: edit here) -------------------------------------------
@@ -51,8 +54,8 @@ MAX_GRAD_NORM = 1.0
 TRAINER = {
     "strategy": "fsdp_overlap",  # bucket_plans: auto (one bucket per decoder layer), all passes on, inductor
     "precision": "bf16-mixed",  # gather in bf16, reduce in fp32, fp32 master weights
-    "accelerator": "auto",  # cpu (gloo) here; cuda (nccl) on GPUs
-    "devices": 2,
+    "accelerator": "auto",  # cpu (gloo) here; cuda (nccl) on GPUs (--accelerator)
+    "devices": 2,  # ranks on this machine (--devices; 1 on a one-GPU machine)
     "log_every_n_steps": 1,
     "enable_model_summary": False,
     "enable_checkpointing": False,
@@ -139,6 +142,15 @@ def main() -> None:
     parser.add_argument("--meta", action="store_true", help="build on the meta device (implied by --weights)")
     parser.add_argument("--export", default=None, help="save the trained model here as a save_pretrained folder")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--devices", type=int, default=TRAINER["devices"], help="ranks on this machine (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--accelerator", default=TRAINER["accelerator"], help="cpu, gpu, or auto (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--backend", default=None, help="the strategy's compile backend: inductor (its default) or aot_eager"
+    )
     parser.add_argument("--metrics", default=None, help="write losses and the schedule report here (JSON, rank 0)")
     args = parser.parse_args()
 
@@ -148,7 +160,10 @@ def main() -> None:
     vocab = _config(module.model_config or TINY_LLAMA).vocab_size
     loader = DataLoader(TensorDataset(counting_sequences(SAMPLES, SEQ, vocab)), batch_size=BATCH_PER_RANK)
     # Lightning replaces the sampler by a shuffling DistributedSampler: each rank reads its part.
-    trainer = Trainer(**TRAINER, max_steps=args.steps, gradient_clip_val=MAX_GRAD_NORM)
+    settings = dict(TRAINER, devices=args.devices, accelerator=args.accelerator)
+    if args.backend is not None:  # the strategy by name takes no options: build it
+        settings["strategy"] = FSDPOverlapStrategy(backend=args.backend)
+    trainer = Trainer(**settings, max_steps=args.steps, gradient_clip_val=MAX_GRAD_NORM)
     trainer.fit(module, loader)
 
     if trainer.is_global_zero:

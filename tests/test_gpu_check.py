@@ -1,6 +1,8 @@
 """benchmarks/gpu_check.py on a CPU: arguments, the dry run (plan and bytes against values
-computed here), the arithmetic, the table, the generated-code checker, the phase runner,
-and that a run without CUDA stops at once with a clear message."""
+computed here), the arithmetic (GPT and Llama FLOPs, the compute profile's aggregation),
+the tables, the generated-code checker, the phase runner, the Llama and paths phases
+themselves at tiny sizes (``--_device cpu --_size tiny``), and that a run without CUDA
+stops at once with a clear message."""
 
 from __future__ import annotations
 
@@ -85,6 +87,42 @@ def test_phases_run_in_the_documented_order_and_caps_apply():
     assert args.caps["eager"] == 200 and args.caps["matmul"] == gc.DEFAULT_CAPS["matmul"]
 
 
+def test_the_default_run_and_the_phase_groups():
+    assert gc.parse_args([]).phase_list == list(gc.DEFAULT_PHASES) == ["matmul", "tests", "hf-1rank", "world8", "paths"]
+    assert gc.parse_args(["--phases", "gpt"]).phase_list == [
+        "matmul",
+        "compiled-off",
+        "compiled-on",
+        "code-order",
+        "eager",
+    ]
+    assert gc.parse_args(["--phases", "all"]).phase_list == list(gc.PHASES)
+    assert gc.parse_args(["--phases", "paths,default"]).phase_list == list(gc.DEFAULT_PHASES)
+    # the default run fits the budget on the module doc's estimates, with room to spare
+    assert sum(gc.ESTIMATED_S[p] for p in gc.DEFAULT_PHASES) <= gc.DEFAULT_BUDGET_S - 30
+    for phase in gc.DEFAULT_PHASES:
+        assert re.search(rf"^    {phase} +~{gc.ESTIMATED_S[phase]} s ", gc.__doc__, re.M), phase
+    assert set(gc.ESTIMATED_S) == set(gc.DEFAULT_CAPS) == set(gc.PHASES)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--phases", "world9"], "unknown phase 'world9'. Did you mean 'world8'"),
+        (["--phases", "gtp"], "Did you mean 'gpt'"),
+        (["--llama-steps", "0"], "--llama-steps must be >= 1"),
+        (["--path-steps", "0"], "--path-steps must be >= 1"),
+        (["--llama-rtol", "0"], "--llama-rtol must be between 0 and 1"),
+        (["--cap", "world8=10"], "a phase needs at least 20 s"),
+    ],
+)
+def test_bad_llama_and_paths_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gc.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_supported_torch_range_is_read_from_pyproject():
     text = (ROOT / "pyproject.toml").read_text()
     low, high = re.search(r'"torch>=(\d+\.\d+),<(\d+\.\d+)"', text).groups()
@@ -139,6 +177,69 @@ def test_dry_run_of_a_small_model_bytes_match_the_parameters(tmp_path):
     assert info["params"] == sum(p.numel() for p in model.parameters()) == gc.param_count(info["model"])
 
 
+def test_dry_run_lists_the_llama_phases_and_the_example_commands(tmp_path, capsys):
+    assert gc.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    info = json.loads((tmp_path / "dry_run.json").read_text())
+    assert info["phases"] == list(gc.DEFAULT_PHASES)
+    # every phase with its limit, expected seconds and command; the GPT ones marked opt-in
+    for phase in ("hf-1rank", "world8", "paths"):
+        assert re.search(rf"^  {phase} +<= 150 s  ~ *\d+ s  +\S+ .*--_phase {phase} ", out, re.M), phase
+        assert info["commands"][phase][info["commands"][phase].index("--_size") + 1] == "default"
+    for phase in gc.GPT_PHASES:
+        assert re.search(rf"^  {phase} +<= +\d+ s  ~ *\d+ s  \(opt-in\) ", out, re.M), phase
+    assert f"~{sum(gc.ESTIMATED_S[p] for p in gc.DEFAULT_PHASES)} s expected" in out
+    # the Llamas, built on the meta device: the counts the phases report
+    hf, w8 = info["llama"]["hf-1rank"], info["llama"]["world8"]
+    assert hf["params"] == 508_594_176 and w8["params"] == 1_923_125_248
+    assert w8["shape"] == {
+        **gc.LLAMA_SHAPES["world8"]["default"],
+        "rope_theta": 500000.0,
+        "batch": 2,
+        "seq": 4096,
+        "world": 8,
+    }
+    # 7.53e13 FLOPs per step: the figure costmodel.py's GPU rate was measured with
+    assert w8["flops_per_token"] * w8["tokens_per_step"] == pytest.approx(7.53e13, rel=1e-3)
+    layers = [[f"model.layers.{i}"] for i in range(4)]
+    assert w8["plan"] == [["model.embed_tokens"], *layers, ["model.norm", "lm_head"]]
+    assert "1,923,125,248 parameters (1.92B)" in out and "508,594,176 parameters (0.51B)" in out
+    # the examples as the paths phase runs them on one GPU
+    lightning, accelerate = info["path_commands"]["lightning"], info["path_commands"]["accelerate"]
+    assert lightning[1:] == [
+        "examples/hf_lightning.py",
+        "--accelerator",
+        "gpu",
+        "--devices",
+        "1",
+        "--steps",
+        "40",
+        "--metrics",
+        lightning[-1],
+    ]
+    assert "launch" in accelerate and "examples/hf_accelerate.py" in accelerate
+    assert accelerate[accelerate.index("--num_processes") + 1] == "1"
+    assert accelerate[accelerate.index("--config_file") + 1] == str(ROOT / "configs" / "overlap.yaml")
+    assert "examples/hf_lightning.py --accelerator gpu --devices 1 --steps 40" in out
+
+
+@pytest.mark.slow
+def test_the_lightning_example_takes_devices_accelerator_and_backend():
+    """examples/hf_lightning.py's flags the paths phase uses; their defaults are what it
+    did before they existed (2 devices, accelerator auto, the strategy's own backend)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_lightning.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 0, done.stderr
+    for flag in ("--devices", "--accelerator", "--backend"):
+        assert flag in done.stdout
+    assert "(default: 2)" in done.stdout and "(default: auto)" in done.stdout
+
+
 # ----------------------------------------------------------------------------- arithmetic
 def test_flops_per_token_and_mfu():
     cfg = {"n_layer": 3, "d_model": 64, "n_head": 4, "vocab_size": 512, "block_size": 32}
@@ -160,6 +261,137 @@ def test_compare_losses():
     assert not far["ok"] and far["worst_step"] == 1
     assert not gc.compare_losses([float("nan")], [1.0], 0.5)["ok"]
     assert gc.compare_losses([1.0], [1.0, 2.0], 0.5)["why"] == "1 vs 2 losses"
+
+
+@pytest.mark.parametrize("size", ["default", "tiny"])
+@pytest.mark.parametrize("phase", ["hf-1rank", "world8"])
+def test_llama_formulas_match_the_transformers_model(phase, size):
+    """Parameters and matmul parameters of a LlamaForCausalLM built on the meta device from
+    the phase's config equal the formulas (llama_summary raises otherwise), and FLOPs per
+    token are 6 per matmul parameter plus attention's 12 x layers x seq x hidden."""
+    info = gc.llama_summary(phase, size)
+    shape = info["shape"]
+    assert info["params"] == gc.llama_param_count(shape) and info["matmul_params"] == gc.llama_matmul_params(shape)
+    assert info["flops_per_token"] == 6 * info["matmul_params"] + 12 * shape["n_layer"] * shape["seq"] * shape["hidden"]
+    config = gc.llama_config(shape)
+    assert config._attn_implementation == "sdpa" and config.use_cache is False and not config.tie_word_embeddings
+    assert config.rope_parameters["rope_theta"] == shape["rope_theta"]
+    assert shape["world"] == (8 if phase == "world8" else 1)
+
+
+def test_loss_fell_compares_the_first_and_last_quarters():
+    assert gc.loss_fell([5.5, 5.6, 5.4, 5.5, 5.3, 5.0, 5.2, 4.9])
+    assert not gc.loss_fell([5.0, 5.1, 5.0, 5.2])
+    assert gc.loss_fell([2.0, 1.0]) and not gc.loss_fell([1.0])
+    assert not gc.loss_fell([5.0, float("nan"), 4.0])
+
+
+def test_op_kind_names_the_kernels():
+    kinds = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT": "matmul",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::bfloat16_t> >": "attention",
+        "triton_poi_fused__to_copy_cat_0": "triton",
+        "triton_red_fused__to_copy_mul_rsqrt_1": "triton",
+        "Memcpy DtoD (Device -> Device)": "copy",
+        "ncclDevKernel_AllGather_RING_LL": "collective",
+        "aten::mm": "matmul",
+        "CompiledFunction": "other",
+    }
+    assert {name: gc.op_kind(name) for name in kinds} == kinds
+
+
+def test_compute_profile_aggregates_rows_and_derives_the_rates():
+    rows = [
+        {"name": "gemm_a", "seconds": 0.06, "count": 3},
+        {"name": "triton_poi_fused_0", "seconds": 0.03, "count": 6},
+        {"name": "gemm_a", "seconds": 0.03, "count": 3},  # the same kernel again: summed
+        {"name": "flash_fwd_kernel", "seconds": 0.015, "count": 3},
+        {"name": "Memset (Device)", "seconds": 0.015, "count": 3},
+    ]
+    schedule = {"flops": 6e13, "bytes": 4e11, "graphs": 2}
+    model = {"n_layer": 4, "hidden": 4096}
+    profile = gc.compute_profile(
+        rows, steps=3, step_s=0.1, schedule=schedule, device="NVIDIA H200", torch_version="2.11.0", model=model, world=8
+    )
+    # the keys the cost model reads, named exactly so
+    assert {k: profile[k] for k in ("device", "torch", "model", "world", "step_s")} == {
+        "device": "NVIDIA H200",
+        "torch": "2.11.0",
+        "model": model,
+        "world": 8,
+        "step_s": 0.1,
+    }
+    assert profile["schedule_flops_per_step"] == 6e13 and profile["schedule_bytes_per_step"] == 4e11
+    assert profile["achieved_flops_per_s"] == pytest.approx(6e14)
+    assert profile["matmul_flops_per_s"] is None and profile["achieved_of_matmul"] is None
+    ops = profile["ops"]
+    assert [o["name"] for o in ops] == ["gemm_a", "triton_poi_fused_0", "Memset (Device)", "flash_fwd_kernel"]
+    assert ops[0] == pytest.approx(
+        {
+            "name": "gemm_a",
+            "kind": "matmul",
+            "count": 6,
+            "total_s": 0.09,
+            "per_step_s": 0.03,
+            "calls_per_step": 2.0,
+            "share": 0.6,
+        }
+    )
+    assert sum(o["share"] for o in ops) == pytest.approx(1.0)
+    assert profile["kernel_s_per_step"] == pytest.approx(0.05) and profile["busy_fraction"] == pytest.approx(0.5)
+    assert profile["kind_s_per_step"] == pytest.approx(
+        {"matmul": 0.03, "triton": 0.01, "copy": 0.005, "attention": 0.005}
+    )
+    assert list(profile["kind_s_per_step"])[0] == "matmul"  # longest first
+    rated = gc.with_matmul_rate(profile, 8e14)
+    assert rated["matmul_flops_per_s"] == 8e14 and rated["achieved_of_matmul"] == pytest.approx(0.75)
+    json.dumps(rated)  # compute_profile.json
+    assert gc.aggregate_ops([], 3) == []
+
+
+def test_schedule_totals_count_the_compute_of_the_graphs_that_run_now():
+    def graph(kind, dynamo, flops, **extra):
+        after = [
+            {"op": "all_gather", "flops": 0, "bytes": 999},
+            {"op": "compute", "flops": flops, "bytes": flops // 10},
+            {"op": "wait", "flops": 0, "bytes": 0},
+            {"op": "compute", "flops": 1, "bytes": 1},
+        ]
+        return {"graph": kind, "dynamo_graph": dynamo, "schedule": {"before": [], "after": after}, **extra}
+
+    report = {
+        "config": {"fullgraph": True},
+        "graphs": [
+            graph("forward", 0, 10**6),  # compiled again for a new length: replaced by the latest
+            graph("backward", 0, 10**6),
+            graph("forward", 1, 100),
+            graph("backward", 1, 200),
+            graph("forward", 1, 10**6, inference=True),  # under no_grad: not a training step
+        ],
+    }
+    assert gc.schedule_totals(report) == {"flops": 302, "bytes": 32, "graphs": 2}
+    # graph breaks: every piece runs
+    report["config"]["fullgraph"] = False
+    assert gc.schedule_totals(report)["graphs"] == 4
+    # a report without per-graph schedules: report[kind]
+    old = {"graphs": [], "forward": graph("forward", 0, 50), "backward": None}
+    assert gc.schedule_totals(old) == {"flops": 51, "bytes": 6, "graphs": 1}
+
+
+def test_read_path_losses_from_metrics_or_the_printed_steps(tmp_path):
+    metrics, log = tmp_path / "m.json", tmp_path / "x.log"
+    metrics.write_text(json.dumps({"losses": [5.5, 5.0], "report": {}}))  # the Lightning example
+    assert gc.read_path_losses(metrics, log) == [5.5, 5.0]
+    metrics.write_text(json.dumps({"losses": {"10": 4.0, "2": 5.0, "0": 6.0}}))  # the Accelerate example, by step
+    assert gc.read_path_losses(metrics, log) == [6.0, 5.0, 4.0]
+    metrics.unlink()
+    log.write_text(
+        "fsdp-overlap: compiling\nstep 0: loss 5.527614  4.82 s (includes compilation)\nstep 1: loss 5.1  0.02 s\n"
+    )
+    assert gc.read_path_losses(metrics, log) == [5.527614, 5.1]
+    log.unlink()
+    assert gc.read_path_losses(metrics, log) == []
 
 
 def _train_result(losses, step_s=0.5, first=30.5, peak=40 * 2**30):
@@ -390,6 +622,8 @@ _FAKE_CHILD = textwrap.dedent(
         open(path, "w").write(xml)
         sys.exit(rc)
     else:
+        for name, data in payload.pop("_files", {}).items():  # files a phase leaves in --out
+            json.dump(data, open(name, "w"))
         json.dump(payload, open(path, "w"))
     """
 )
@@ -417,7 +651,55 @@ MATMUL = {
 }
 
 
+def _variant(losses, step_s=0.5, first=20.5, peak=10 * 2**30, **extra):
+    return {
+        "status": "ok",
+        "losses": losses,
+        "step_s": step_s,
+        "first_step_s": first,
+        "compile_s": first - step_s,
+        "tokens_per_step": 8192,
+        "peak_allocated": peak,
+        **extra,
+    }
+
+
+PROFILE = {
+    "profiled_steps": 3,
+    "step_s": 0.15,
+    "kernel_s_per_step": 0.12,
+    "busy_fraction": 0.8,
+    "kind_s_per_step": {"matmul": 0.09, "triton": 0.03},
+    "schedule_flops_per_step": 7.5e13,
+    "achieved_flops_per_s": 5e14,
+    "ops": 2,
+}
+
+
+def _llama(world, plugin, torch_variant, **extra):
+    return {
+        "status": "ok",
+        "world": world,
+        "flops_per_token": 1e9,
+        "variants": {"plugin": plugin, "fully_shard": torch_variant},
+        "problems": [],
+        **extra,
+    }
+
+
+def _path(losses, status="ok"):
+    return {"status": status, "wall_s": 30.0, "losses": losses, "falling": gc.loss_fell(losses), "log": "x.log"}
+
+
+def _paths(lightning, accelerate):
+    runs = {"lightning": lightning, "accelerate": accelerate}
+    for name, r in runs.items():
+        r.update(label=gc.PATH_LABELS[name], command=["python", f"{name}.py"], log=f"paths_{name}.log")
+    return {"status": "ok", "runs": runs}
+
+
 def _all_ok() -> dict:
+    code = {"problems": [], "windows": {"forward": [{}] * 6, "backward": [{}] * 3}}
     return {
         "matmul": MATMUL,
         "tests": JUNIT,
@@ -425,12 +707,15 @@ def _all_ok() -> dict:
         "compiled-on": _train_result([10.0, 8.01, 6.02]),
         "eager": _train_result([10.0, 8.1, 6.1], step_s=0.8, first=1.0),
         "code-order": {"status": "ok", "problems": [], "windows": {"forward": [{}] * 7, "backward": [{}] * 4}},
+        "hf-1rank": _llama(1, _variant([10.0, 9.0, 8.0, 7.0], step_s=0.4), _variant([10.0, 9.01, 8.02, 7.03])),
+        "world8": _llama(8, _variant([1.0, 1.0], step_s=0.15, code=code, profile=PROFILE), _variant([1.0, 1.0], 0.15)),
+        "paths": _paths(_path([5.5, 5.4, 5.2, 5.0]), _path([5.5, 5.45, 5.3, 5.1])),
     }
 
 
 def test_parent_passes_when_every_phase_passes(tmp_path, monkeypatch, capsys):
     _fake_phases(monkeypatch, _all_ok())
-    assert gc.main(["--out", str(tmp_path)]) == 0
+    assert gc.main(["--out", str(tmp_path), "--phases", "all"]) == 0
     summary = (tmp_path / "summary.md").read_text()
     assert "Result: PASS" in summary and "NVIDIA H200" in summary
     assert "- [x] losses agree: compiled-on vs compiled-off" in summary
@@ -455,7 +740,7 @@ def test_parent_fails_loudly_on_a_loss_mismatch_and_a_failed_phase(tmp_path, mon
     results["compiled-on"] = _train_result([10.0, 8.5, 6.0])  # 6% off at step 1
     results["code-order"] = None  # the process fails
     _fake_phases(monkeypatch, results)
-    assert gc.main(["--out", str(tmp_path)]) == 1
+    assert gc.main(["--out", str(tmp_path), "--phases", "all"]) == 1
     summary = (tmp_path / "summary.md").read_text()
     assert "Result: FAIL" in summary
     assert "- [ ] losses agree: compiled-on vs compiled-off: max relative difference 6.25e-02 at step 1" in summary
@@ -471,13 +756,102 @@ def test_parent_fails_when_the_loss_does_not_fall_or_tests_fail(tmp_path, monkey
     results["eager"] = _train_result([10.0, 10.0, 10.5])
     results["tests"] = [JUNIT.replace('failures="0"', 'failures="2"'), 1]  # pytest: 2 failed
     _fake_phases(monkeypatch, results)
-    assert gc.main(["--out", str(tmp_path)]) == 1
+    assert gc.main(["--out", str(tmp_path), "--phases", "all"]) == 1
     summary = (tmp_path / "summary.md").read_text()
     assert "- [ ] eager: loss finite and falling: 10.0000 -> 10.5000" in summary
     assert "- [ ] phase tests: failed: 2 failed, 0 errors, 2 passed" in summary
     results["tests"] = None  # pytest dies before writing its report
-    assert gc.main(["--out", str(tmp_path)]) == 1
+    assert gc.main(["--out", str(tmp_path), "--phases", "all"]) == 1
     assert "- [ ] phase tests: failed\n" in (tmp_path / "summary.md").read_text()
+
+
+def test_parent_default_run_renders_the_llama_and_paths_sections(tmp_path, monkeypatch):
+    results = _all_ok()
+    profile = {"achieved_flops_per_s": 5e14, "matmul_flops_per_s": None, "ops": []}
+    results["world8"] = dict(results["world8"], _files={str(tmp_path / gc.PROFILE_FILE): profile})
+    _fake_phases(monkeypatch, results)
+    assert gc.main(["--out", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Result: PASS" in summary and "## GPT" not in summary  # the GPT phases are opt-in
+    assert "## Transformers Llama: the plugin vs torch's FSDP2 (fully_shard + torch.compile)" in summary
+    assert "- world8: LlamaForCausalLM, 4 layers, hidden 4096, intermediate 14336, 32 heads / 8 kv heads" in summary
+    # 8192 tokens / 0.4 s = 20,480 tokens/s; x 1 GFLOP/token = 20 TFLOP/s, 2.6% of 800
+    assert (
+        "| hf-1rank: plugin, parallelize() defaults | 20.1 | 20.5 | 0.400 | 20,480 | 20 | 2.6% | 10.0 | 7.0000 |"
+        in summary
+    )
+    assert "| hf-1rank: torch fully_shard per layer + torch.compile | 20.0 | 20.5 | 0.500 | 16,384 |" in summary
+    assert "| world8: plugin, parallelize() defaults | 20.4 | 20.5 | 0.150 | 54,613 | 55 | 6.8% | 10.0 | - |" in summary
+    assert "Step time, plugin / torch: hf-1rank 0.80, world8 1.00 (below 1: the plugin's step is shorter)." in summary
+    assert "collectives move no data, so these rows are the compute side only" in summary
+    assert (
+        "Compute profile of the world8 plugin step (compute_profile.json, 3 steps): kernels 0.120 s per 0.150 s step"
+        in summary
+    )
+    assert "| Lightning Trainer (examples/hf_lightning.py) | ok | 30 | 4 | 5.5000 -> 5.0000 |" in summary
+    assert "- accelerate: `python accelerate.py` (output: paths_accelerate.log)" in summary
+    for check in (
+        "- [x] hf-1rank: plugin loss finite and falling: 10.0000 -> 7.0000",
+        "- [x] hf-1rank: losses agree: fully_shard vs plugin: max relative difference",
+        "- [x] world8: generated code keeps the bucketed collectives in order: 6 forward / 3 backward",
+        "- [x] world8: compute profile written (compute_profile.json): 2 kernels over 3 steps; schedule 75.00 TFLOP",
+        "- [x] paths: Lightning Trainer (examples/hf_lightning.py) exits 0, loss falling: ok in 30 s",
+        "- [x] paths: accelerate launch (examples/hf_accelerate.py) exits 0, loss falling",
+    ):
+        assert check in summary, check
+    assert "world8: fully_shard loss" not in summary  # a fake process group's losses are not checked
+    results_json = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["phase"], r["variant"]) for r in results_json["llama_rows"]] == [
+        ("hf-1rank", "plugin"),
+        ("hf-1rank", "fully_shard"),
+        ("world8", "plugin"),
+        ("world8", "fully_shard"),
+    ]
+    assert results_json["llama_step_ratios"] == pytest.approx({"hf-1rank": 0.8, "world8": 1.0})
+    # the parent adds the matmul phase's rate to the profile the world8 process wrote
+    written = json.loads((tmp_path / gc.PROFILE_FILE).read_text())
+    assert written["matmul_flops_per_s"] == 8e14 and written["achieved_of_matmul"] == pytest.approx(0.625)
+
+
+def test_parent_fails_on_llama_and_paths_problems(tmp_path, monkeypatch, capsys):
+    results = _all_ok()
+    hf = results["hf-1rank"]["variants"]
+    hf["fully_shard"] = _variant([10.0, 9.0, 8.0, 7.7])  # 10% above the plugin at the last step
+    w8 = results["world8"]["variants"]
+    w8["fully_shard"] = {"status": "failed", "error": "RuntimeError: boom"}
+    w8["plugin"]["code"] = {"problems": ["forward: 5 all-gathers in the generated code, 6 planned"], "windows": {}}
+    results["paths"] = _paths(_path([5.5, 5.6, 5.5, 5.7]), _path([], status="timeout"))
+    _fake_phases(monkeypatch, results)
+    assert gc.main(["--out", str(tmp_path)]) == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Result: FAIL" in summary
+    for check in (
+        "- [ ] hf-1rank: losses agree: fully_shard vs plugin: max relative difference 1.00e-01 at step 3 (rtol 0.05)",
+        "- [ ] world8: torch fully_shard per layer + torch.compile ran: RuntimeError: boom",
+        "- [ ] world8: generated code keeps the bucketed collectives in order: forward: 5 all-gathers",
+        "- [ ] paths: Lightning Trainer (examples/hf_lightning.py) exits 0, loss falling: ok in 30 s; loss 5.5000 -> 5.7000",
+        "- [ ] paths: accelerate launch (examples/hf_accelerate.py) exits 0, loss falling: timeout in 30 s; no losses read",
+    ):
+        assert check in summary, check
+    assert "| world8: torch fully_shard per layer + torch.compile (failed) | - | - |" in summary
+    assert "5.5000 -> 5.7000 (not falling)" in summary
+    assert "Step time, plugin / torch: hf-1rank 0.80 (below 1" in summary  # world8 has no ratio
+
+
+def test_llama_rows_keep_the_variants_a_stopped_phase_finished():
+    """A Llama phase stopped at its limit leaves a partial result (status "partial"): the
+    variants it finished keep their numbers, the rest show the phase's status."""
+    partial = {"status": "partial", "world": 8, "flops_per_token": 1e9, "variants": {"plugin": _variant([1.0])}}
+    runs = {"world8": gc.PhaseRun("world8", "timeout", result=partial), "hf-1rank": gc.PhaseRun("hf-1rank", "skipped")}
+    rows = gc.llama_rows(runs, None)
+    assert [(r["label"], r["status"]) for r in rows] == [
+        ("hf-1rank: plugin, parallelize() defaults", "skipped"),
+        ("hf-1rank: torch fully_shard per layer + torch.compile", "skipped"),
+        ("world8: plugin, parallelize() defaults", "ok"),
+        ("world8: torch fully_shard per layer + torch.compile", "timeout"),
+    ]
+    assert rows[2]["step_s"] == 0.5 and rows[2]["mfu"] is None and rows[2]["final_loss"] is None
+    assert gc.step_ratios(rows) == {}
 
 
 def test_parent_restores_signal_handlers(tmp_path, monkeypatch):
@@ -535,3 +909,117 @@ def test_training_phases_run_the_compile_path_on_one_cpu_rank(tmp_path):
     assert rows["compiled-on"]["mfu"] is None  # no matmul phase ran
     assert "Result: PASS" in (tmp_path / "summary.md").read_text()
     assert "compiled-on step 3: loss" in (tmp_path / "phases.log").read_text()
+
+
+# ----------------------------------------------------------------------------- new phases on CPU
+def _tiny_args(tmp_path, *extra: str):
+    """A phase's arguments as the parent forwards them, on CPU with the tiny Llamas."""
+    argv = ["--_device", "cpu", "--_size", "tiny", "--out", str(tmp_path), "--warmup", "1", "--llama-steps", "4"]
+    return gc.parse_args([*argv, "--lr", "3e-3", *extra])
+
+
+def _json(result: dict) -> dict:
+    """What the parent reads back from the phase's result file."""
+    return json.loads(json.dumps(result, default=str))
+
+
+@pytest.mark.slow
+@pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
+def test_hf_1rank_phase_trains_both_variants_on_cpu(tmp_path):
+    """hf-1rank's process function on one gloo rank (aot_eager): the plugin and torch's
+    fully_shard + torch.compile train the same tiny LlamaForCausalLM, with every field the
+    summary needs; on one rank both compute the same losses."""
+    torch.set_num_threads(1)
+    result = gc.phase_llama(_tiny_args(tmp_path), "hf-1rank")
+    shape = gc.llama_shape("hf-1rank", "tiny")
+    assert result["problems"] == [] and result["world"] == 1 and result["tokens_per_step"] == 2 * 32
+    for name in ("plugin", "fully_shard"):
+        v = result["variants"][name]
+        assert v["status"] == "ok" and v["attention"] == "sdpa" and v["params"] == gc.llama_param_count(shape)
+        assert len(v["losses"]) == 5 and gc.loss_fell(v["losses"]), v["losses"]
+        assert 0 < v["step_s"] <= v["first_step_s"] and v["peak_allocated"] is None
+    plugin = result["variants"]["plugin"]
+    assert plugin["schedule"]["flops"] > 0 and plugin["schedule"]["graphs"] == 2
+    assert plugin["collectives"]["forward"]["all_gather"] == 0  # one rank: DTensor gathers nothing
+    assert gc.compare_losses(result["variants"]["fully_shard"]["losses"], plugin["losses"], 1e-3)["ok"]
+    runs = {"hf-1rank": gc.PhaseRun("hf-1rank", "ok", result=_json(result))}
+    rows = gc.llama_rows(runs, None)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["tokens_per_s"] > 0 for r in rows)
+    args = _tiny_args(tmp_path)
+    assert all(ok for _, ok, _ in gc.llama_checks(runs, args)), gc.llama_checks(runs, args)
+
+
+@pytest.mark.slow
+@pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
+def test_world8_phase_writes_the_compute_profile_on_cpu(tmp_path):
+    """world8's process function on a fake process group of 8 ranks on CPU: both variants
+    run, and compute_profile.json holds the keys the cost model reads, the schedule's
+    FLOPs of the plugin's graphs and the profiler's ops."""
+    torch.set_num_threads(1)
+    result = gc.phase_llama(_tiny_args(tmp_path), "world8")
+    assert result["problems"] == [] and result["world"] == 8
+    plugin = result["variants"]["plugin"]
+    assert result["variants"]["fully_shard"]["status"] == plugin["status"] == "ok"
+    # the tiny model's auto plan: embedding, 2 layers, norm + head: one bucketed gather each
+    assert plugin["collectives"]["forward"]["all_gather"] == 4
+    assert plugin["collectives"]["backward"]["reduce_scatter"] == 4
+    assert "code" not in plugin  # aot_eager generates no code; on the GPU inductor's is checked
+    profile = json.loads((tmp_path / gc.PROFILE_FILE).read_text())
+    required = {"device", "torch", "model", "world", "step_s", "schedule_flops_per_step"}
+    required |= {"schedule_bytes_per_step", "achieved_flops_per_s", "matmul_flops_per_s", "ops"}
+    assert required <= set(profile)
+    assert profile["device"] == "cpu" and profile["torch"] == torch.__version__ and profile["world"] == 8
+    assert profile["model"] == {k: v for k, v in gc.llama_shape("world8", "tiny").items() if k != "world"}
+    assert profile["step_s"] == plugin["step_s"]
+    assert profile["schedule_flops_per_step"] == plugin["schedule"]["flops"] > 0
+    assert profile["schedule_bytes_per_step"] == plugin["schedule"]["bytes"] > 0
+    assert profile["achieved_flops_per_s"] == pytest.approx(profile["schedule_flops_per_step"] / profile["step_s"])
+    assert profile["matmul_flops_per_s"] is None  # the parent adds it after a matmul phase
+    assert profile["model_flops_per_step"] == result["flops_per_token"] * result["tokens_per_step"]
+    ops = profile["ops"]
+    assert ops and sum(o["share"] for o in ops) == pytest.approx(1.0)
+    assert any(o["kind"] == "matmul" for o in ops) and all(o["count"] >= 1 for o in ops)
+    assert plugin["profile"]["ops"] == len(ops) and plugin["profile"]["top"] == ops[:10]
+    runs = {"world8": gc.PhaseRun("world8", "ok", result=_json(result))}
+    lines = "\n".join(gc.llama_lines(_tiny_args(tmp_path), runs, gc.llama_rows(runs, None)))
+    assert (
+        "| world8: plugin, parallelize() defaults |" in lines and "Compute profile of the world8 plugin step" in lines
+    )
+
+
+@pytest.mark.slow
+def test_paths_phase_runs_both_examples_on_cpu(tmp_path, monkeypatch):
+    """The paths phase's process function on CPU: examples/hf_lightning.py (Trainer, 1 CPU
+    device, bf16-mixed, aot_eager) and accelerate launch --num_processes 1 of
+    examples/hf_accelerate.py (a copy of configs/overlap.yaml on aot_eager) both exit 0
+    with their loss falling, each with its log in --out."""
+    monkeypatch.setenv("GPU_CHECK_PHASE_LIMIT", "300")
+    result = gc.phase_paths(_tiny_args(tmp_path, "--path-steps", "20"))
+    runs = result["runs"]
+    assert list(runs) == ["lightning", "accelerate"]
+    for r in runs.values():
+        log = (tmp_path / r["log"]).read_text()
+        assert r["status"] == "ok", log[-3000:]
+        assert len(r["losses"]) == 20 and r["falling"], r["losses"]
+        assert r["wall_s"] > 0
+    assert "LlamaForCausalLM: losses" in (tmp_path / "paths_lightning.log").read_text()
+    assert "step 19: loss" in (tmp_path / "paths_accelerate.log").read_text()
+    lightning = " ".join(runs["lightning"]["command"])
+    assert "--accelerator cpu --devices 1 --steps 20" in lightning and "--backend aot_eager" in lightning
+    assert "--num_processes 1 examples/hf_accelerate.py --steps 20" in " ".join(runs["accelerate"]["command"])
+    table = gc.format_paths(result)
+    assert table[2].startswith("| Lightning Trainer (examples/hf_lightning.py) | ok |")
+
+
+@pytest.mark.slow
+def test_a_llama_phase_through_the_parent_on_cpu(tmp_path):
+    """The parent starts hf-1rank as on the GPU, forwarding --_size and --llama-steps, and
+    renders its rows and checks."""
+    argv = ["--_device", "cpu", "--_size", "tiny", "--out", str(tmp_path), "--phases", "hf-1rank"]
+    done = _script(*argv, "--warmup", "1", "--llama-steps", "3", "--lr", "3e-3", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| hf-1rank: plugin, parallelize() defaults |" in summary and "Result: PASS" in summary
+    assert "- [x] hf-1rank: losses agree: fully_shard vs plugin" in summary
+    variants = json.loads((tmp_path / "results.json").read_text())["phases"]["hf-1rank"]["result"]["variants"]
+    assert [len(v["losses"]) for v in variants.values()] == [4, 4]
