@@ -33,6 +33,7 @@ left to the root).
                        made to run on CPU (roofline estimates from measured CPU rates,
                        collectives costed at the link rate)
     compute-only       the same model and per-rank batch, unsharded, compiled: no comm
+    compute-only-eager the same, not compiled: the eager modes' compute (only with --modes)
     comm-only          the collectives of one `both` step (forward and backward graphs,
                        launches and waits in graph order) replayed with no compute, each
                        as `both` runs it (its all-to-alls receive-first)
@@ -197,6 +198,7 @@ EXTRA_MODES = [
     "comm-only+all-to-all",
     "comm-only+recv-first",
     "comm+compute",
+    "compute-only-eager",
 ]
 QUICK_MODES = ["fsdp2-eager", "both", "both+prefetch-2", "compute-only", "comm-only"]
 REPLAYS = {
@@ -236,6 +238,27 @@ def parse_rate(text: str) -> float:
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * scale
     return float(text)
+
+
+def parse_mode_configs(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, dict]:
+    """``--mode-config NAME=YAML``: mode name -> the plugin config keys in YAML (checked
+    by OverlapConfig before anything starts)."""
+    from fsdp_overlap_plugin.config import OverlapConfig, read_yaml
+
+    out: dict[str, dict] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--mode-config {item!r}: expected NAME=path/to/config.yaml")
+        if name in ALL_MODES + EXTRA_MODES:
+            parser.error(f"--mode-config {item!r}: {name} is a built-in mode; pick another name")
+        try:
+            keys = read_yaml(path) or {}
+            OverlapConfig.from_dict(keys, source=path)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--mode-config {item!r}: {exc}")
+        out[name] = keys
+    return out
 
 
 def time_stats(times: list[float]) -> dict:
@@ -564,6 +587,14 @@ def main() -> None:
         choices=sorted(A2A_MODES),
         help="with --trace-dir, the mode to trace instead of `both` (one whose bound is comm-only's replay)",
     )
+    parser.add_argument(
+        "--mode-config",
+        action="append",
+        default=[],
+        metavar="NAME=YAML",
+        help="one more mode NAME (list it in --modes): the defaults with the plugin config keys of YAML on top "
+        "(e.g. what `fsdp-overlap suggest` printed); repeatable",
+    )
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -575,7 +606,8 @@ def main() -> None:
         if args.quick and args.modes == ",".join(ALL_MODES)
         else [m.strip() for m in args.modes.split(",") if m.strip()]
     )
-    unknown = [m for m in modes if m not in ALL_MODES + EXTRA_MODES]
+    custom = parse_mode_configs(parser, args.mode_config)
+    unknown = [m for m in modes if m not in ALL_MODES + EXTRA_MODES + list(custom)]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; valid: {', '.join(ALL_MODES + EXTRA_MODES)}")
     for replay, source in REPLAYS.items():  # (--memory skips the replays)
@@ -625,6 +657,9 @@ def main() -> None:
         args.worker_args += ["--trace-dir", str(Path(args.trace_dir).resolve()), "--trace-mode", args.trace_mode]
     if args.recv_first:
         args.worker_args.append("--recv-first")
+    for item in args.mode_config:
+        name, _, path = item.partition("=")
+        args.worker_args += ["--mode-config", f"{name}={Path(path).resolve()}"]
     if args.lengths:
         args.worker_args += ["--lengths", ",".join(map(str, parse_lengths(args.lengths)))]
     ok, why = Namespaces.available()
@@ -1112,6 +1147,7 @@ def worker(args: argparse.Namespace) -> None:
     rate_bps = parse_rate(args.rate)
     if args.memory:
         return memory_worker(args, modes, rank, world, rate_bps)
+    custom = {name: fo_read_yaml(path) for name, _, path in (m.partition("=") for m in args.mode_config)}
     lengths = parse_lengths(args.lengths) if args.lengths else None
     data = _data(vocab, seq, world, args.warmup + args.reps * args.steps + 1, lengths)
     runners: dict[str, object] = {}
@@ -1127,7 +1163,9 @@ def worker(args: argparse.Namespace) -> None:
         for mode in modes:
             if mode not in runners:
                 t = time.perf_counter()
-                runners[mode] = make_runner(mode, args.model, args.model_size, runners, rate_bps, world, args.plan)
+                runners[mode] = make_runner(
+                    mode, args.model, args.model_size, runners, rate_bps, world, args.plan, custom=custom
+                )
                 for _ in range(args.warmup):
                     runners[mode].step(data[step_index[mode]])
                     step_index[mode] += 1
@@ -1150,6 +1188,14 @@ def worker(args: argparse.Namespace) -> None:
             log(f"rep {rep + 1}/{args.reps} {mode:<18} median {med:.3f} s/step")
     for mode, runner in runners.items():
         results[mode]["compiles"] = dynamo_graphs(runner)
+    if rank == 0:  # each sharded mode's schedule report: what costmodel_check.py predicts from
+        import fsdp_overlap_plugin as fo
+
+        out["reports"] = {
+            mode: fo.schedule_report(runner.model)
+            for mode, runner in runners.items()
+            if isinstance(runner, ModelRunner) and runner.world > 1
+        }
     if "both" in runners:
         import fsdp_overlap_plugin as fo
 
@@ -1176,6 +1222,12 @@ def worker(args: argparse.Namespace) -> None:
     out["process_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def fo_read_yaml(path: str) -> dict:
+    from fsdp_overlap_plugin.config import read_yaml
+
+    return read_yaml(path) or {}
 
 
 def _data(vocab: int, seq: int, world: int, steps: int, lengths: list[int] | None = None):
@@ -1589,9 +1641,11 @@ def make_runner(
     world: int,
     plan: str = "auto",
     overrides: dict | None = None,
+    custom: dict | None = None,
 ):
     """One mode's model, parallelized and ready to step. ``overrides``: config keys set
-    on top of a compiled mode's own (``alloc_peak.py --set``)."""
+    on top of a compiled mode's own (``alloc_peak.py --set``); ``custom``: the config keys
+    of the ``--mode-config`` modes, by name."""
     import fsdp_overlap_plugin as fo
 
     if mode in REPLAYS:
@@ -1600,6 +1654,8 @@ def make_runner(
         return Concurrent(*(runners[m] for m in CONCURRENT[mode]))
     model = build_model(model_name, size)
     loss = loss_for(model_name, model)
+    if mode == "compute-only-eager":  # the eager modes' compute: unsharded, not compiled
+        return ModelRunner(model, world=1, loss=loss)
     if mode == "compute-only":
         from fsdp_overlap_plugin.hf import prepare_for_compile
 
@@ -1620,6 +1676,7 @@ def make_runner(
         "both+fsdp2-order": {"max_prefetch_bytes": "1024GiB"},
         "both+all-to-all": {"reduce_scatter_impl": "all_to_all"},
         "torch-auto": passes,
+        **(custom or {}),
     }[mode]
     if plan == "blocks":
         config = {**config, "bucket_plans": block_plan(model_name, model)}
