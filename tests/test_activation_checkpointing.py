@@ -26,6 +26,8 @@ from fsdp_overlap_plugin import OverlapConfigError
 from fsdp_overlap_plugin.memory import SavedActivations
 from fsdp_overlap_plugin.models import loss_fn
 
+pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+
 GPT_BLOCKS = ["blocks.*"]
 HF_LAYERS = ["model.layers.*"]
 STEPS = 3

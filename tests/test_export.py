@@ -30,6 +30,8 @@ import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin import export
 from fsdp_overlap_plugin.config import OverlapConfigError
 
+pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+
 T = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,6 +32,8 @@ from _train import local_slice
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin import OverlapConfigError, UninitializedWarning
 
+pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_FAMILIES = ("llama", "gpt2", "qwen2")  # tied + RMSNorm, Conv1D + learned positions, untied + biases
 STEPS = 3

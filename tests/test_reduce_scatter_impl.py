@@ -19,6 +19,8 @@ from fsdp_overlap_plugin.cli import main
 from fsdp_overlap_plugin.config import OverlapConfigError
 from fsdp_overlap_plugin.exchange import _LIVE, GROUP_PREFIX, build_receive_first_group, exchanges_run
 
+pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+
 DTYPES = (torch.float32, torch.bfloat16)
 CHUNKS = (1, 7, 64, 1000, 4099)
 

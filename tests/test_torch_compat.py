@@ -20,6 +20,8 @@ from fsdp_overlap_plugin import _torch_compat as compat
 from fsdp_overlap_plugin import _version
 from fsdp_overlap_plugin.models.gpt import gpt_small
 
+pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # What "an inductor internal moved" looks like: the private modules and names the package
