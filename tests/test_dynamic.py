@@ -145,7 +145,7 @@ def _check_dynamic_report(result: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [pytest.param("llama", marks=pytest.mark.matrix), "gpt"])
+@pytest.mark.parametrize("kind", [pytest.param("llama", marks=pytest.mark.newest_torch), "gpt"])
 def test_twelve_lengths_compile_twice_and_match_one_process_aot_eager(kind):
     results = run_ranks(_train, kind, "aot_eager", {}, timeout=600)
     _check(results, _reference(kind, _batches(kind)), 1e-6)
