@@ -201,7 +201,7 @@ def _inductor_scenarios(rank: int, world: int) -> dict:
     return {"fp32": _run(rank, world, backend="inductor")}
 
 
-@pytest.mark.newest_torch  # and on 2.15, the newest torch of .ci/run
+@pytest.mark.newest_torch  # CI runs it on 2.15, the newest torch of .ci/run
 def test_inductor_matches_single_process():
     result = run_ranks(_inductor_scenarios)[0]["fp32"]
     _close(result)

@@ -40,7 +40,7 @@ def _variants(rank: int, world: int, backend: str, names: list[str]) -> dict:
     return {name: _train(rank, world, backend=backend, **VARIANTS[name]) for name in names}
 
 
-@pytest.mark.newest_torch  # and on 2.15, the newest torch of .ci/run
+@pytest.mark.newest_torch  # CI runs it on 2.15, the newest torch of .ci/run
 def test_aot_eager_losses_bitwise_equal_with_and_without_passes():
     results = run_ranks(_variants, "aot_eager", list(VARIANTS))[0]
     reference = results["off"]
@@ -89,7 +89,7 @@ def _assert_receive_first(report: dict, steps: int) -> None:
     assert rs["exchanges"] == 6 * steps
 
 
-@pytest.mark.matrix  # on every torch of .ci/run
+@pytest.mark.matrix  # CI runs it on both ends of the matrix, 2.11 and 2.15
 def test_inductor_losses_equal_within_1e6():
     # prefetch_2+budget: under a budget the passes follow FSDP2's memory order (each prefetch
     # after the previous copy-out, each reduce-scatter waited before the next copy-in) and
