@@ -431,8 +431,9 @@ def plan_schedule(
 
     ``schedule``: "passes" (the defaults: one gather per bucket, launched ``depth`` buckets
     ahead, each gradient reduce-scatter launched after its bucket's backward and waited at
-    the end; with replicas, each replica all-reduce launched after its reduce-scatter's
-    wait and waited at once, as the passes leave it today); "no-passes" (compiled without
+    the end; with replicas, as the graph runs: each reduce-scatter waited once the next
+    has launched, its replica all-reduce launched right then and waited once the next
+    all-reduce has launched); "no-passes" (compiled without
     the passes: one collective per parameter, each waited right away); "fsdp2" (torch's
     ``fully_shard``, eager or compiled per block, on a GPU: one gather per bucket prefetched
     one ahead on its own stream, reduce-scatters and replica all-reduces on theirs, waited
@@ -494,8 +495,31 @@ def plan_schedule(
     regathered = [i for i in order if buckets[i].get("regather", True)]
     scatters: list[tuple[int, str]] = []
 
+    replica_passes = replicas > 1 and schedule == "passes"
+    in_flight: dict[str, tuple[int, str] | None] = {"scatter": None, "reduce": None}
+
+    def replica_step(last: bool) -> None:
+        # HSDP with the passes, as the graph runs it: the previous bucket's reduce-scatter
+        # is waited once this one has launched, its replica all-reduce launched at once,
+        # and the all-reduce before that waited only then (one waited per launch)
+        if in_flight["scatter"] is not None:
+            j, rs = in_flight["scatter"]
+            wait(bwd, rs, j)
+            ar = launch(bwd, "all_reduce", buckets[j]["reduce_bytes"] / shard, j, "inter")
+            if in_flight["reduce"] is not None:
+                wait(bwd, in_flight["reduce"][1], in_flight["reduce"][0])
+            in_flight["reduce"] = (j, ar)
+            in_flight["scatter"] = None
+        if last and in_flight["reduce"] is not None:
+            wait(bwd, in_flight["reduce"][1], in_flight["reduce"][0])
+
     def after_backward(i: int) -> None:
-        scatters.append((i, launch(bwd, "reduce_scatter", buckets[i]["reduce_bytes"], i)))
+        rs = launch(bwd, "reduce_scatter", buckets[i]["reduce_bytes"], i)
+        if replica_passes:
+            replica_step(last=False)
+            in_flight["scatter"] = (i, rs)
+            return
+        scatters.append((i, rs))
         if replicas > 1 and schedule == "fsdp2":  # on the reduce-scatter's stream, right behind it
             scatters.append((i, launch(bwd, "all_reduce", buckets[i]["reduce_bytes"] / shard, i, "inter")))
 
@@ -512,10 +536,10 @@ def plan_schedule(
             wait(bwd, pending.pop(i), i)
         compute(bwd, buckets[i]["flops_backward"], i)
         after_backward(i)
+    if replica_passes:
+        replica_step(last=True)
     for i, name in scatters:
         wait(bwd, name, i)
-        if replicas > 1 and schedule == "passes" and name.startswith("reduce_scatter"):
-            wait(bwd, launch(bwd, "all_reduce", buckets[i]["reduce_bytes"] / shard, i, "inter"), i)
     return {"forward": fwd, "backward": bwd}
 
 

@@ -192,10 +192,16 @@ def test_backward_reduce_scatters_then_all_reduces_each_bucket(results, backend)
         scatters = {e["bucket"]: e for e in events if e["op"] in ("reduce_scatter", "all_to_all")}
         reduces = {e["bucket"]: e for e in events if e["op"] == "all_reduce"}
         assert sorted(scatters) == sorted(reduces) == list(range(entries)), (rank, events)
+        launched = sorted(reduces.values(), key=lambda e: at[e["name"]])
         for bucket, rs in scatters.items():
             ar = reduces[bucket]
             # launch, wait, then the replica all-reduce of the waited result, and its wait
             assert at[rs["name"]] < waits[rs["name"]] < at[ar["name"]] < waits[ar["name"]], (rank, bucket, events)
+        # each all-reduce is waited only after the next bucket's all-reduce has launched:
+        # it runs behind that bucket's backward, not waited at once
+        for ar, nxt in zip(launched, launched[1:]):
+            assert waits[ar["name"]] > at[nxt["name"]], (rank, ar, nxt, events)
+            assert any(e["op"] == "compute" for e in events[at[ar["name"]] : waits[ar["name"]]]), (rank, ar)
             # bytes: the reduce-scatter's input (padded to 2 equal chunks), the all-reduce's
             # input: this rank's shards; rank 0 holds the larger of uneven shards
             if rank == 0:

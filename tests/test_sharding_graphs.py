@@ -107,6 +107,16 @@ def test_hsdp_mesh_is_2d_and_backward_all_reduces(monkeypatch):
         assert report["mesh"] == [2, 2]
         assert report["backward"]["before"]["all_reduce"] == N_PARAMS
         assert report["backward"]["before"]["reduce_scatter"] == N_PARAMS
+        # one replica all-reduce per bucket, each waited after the next one launched
+        buckets = len(report["plan"])
+        assert report["backward"]["after"]["all_reduce"] == buckets
+        assert report["backward"]["passes"]["manual_bucketing"]["deferred_ar_waits"] == buckets - 1
+        events = report["backward"]["schedule"]["after"]
+        at = {e["name"]: i for i, e in enumerate(events)}
+        waits = {e["of"]: i for i, e in enumerate(events) if e["op"] == "wait"}
+        reduces = [e for e in events if e["op"] == "all_reduce"]
+        for ar, nxt in zip(reduces, reduces[1:]):
+            assert at[ar["name"]] < at[nxt["name"]] < waits[ar["name"]], (ar, nxt)
 
 
 def test_schedule_report_is_json_and_formats(world2, monkeypatch):

@@ -202,8 +202,11 @@ def manual_bucketing(
     if reordered:
         repair_order(graph)
     # HSDP: each member's reduced shard is then all-reduced across replicas; one
-    # all-reduce of the bucket's whole reduce-scatter result replaces them
-    stats["merged_all_reduces"] = sum(_merge_replica_all_reduces(graph, u) for u in scatter_units)
+    # all-reduce of the bucket's whole reduce-scatter result replaces them, and its wait
+    # is deferred past the next bucket's all-reduce launch
+    reduce_units = [r for r in (_merge_replica_all_reduces(graph, u) for u in scatter_units) if r is not None]
+    stats["merged_all_reduces"] = len(reduce_units)
+    stats["deferred_ar_waits"] = _defer_replica_waits(graph, reduce_units)
     if insert_overlap_deps and deps:
         preserve_node_ordering(graph, deps)
 
@@ -276,24 +279,25 @@ def _all_reduce_of(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _merge_replica_all_reduces(graph: fx.Graph, unit: _Unit) -> int:
+def _merge_replica_all_reduces(graph: fx.Graph, unit: _Unit) -> _Unit | None:
     """One all-reduce of a merged reduce-scatter's result instead of one per member.
 
     ``wait -> split -> piece_i -> (views) -> all_reduce_i -> wait_i`` becomes
     ``wait -> all_reduce -> wait' -> split -> piece_i -> (views)``: the all-reduce is
     elementwise, so reducing the whole bucket and then selecting each member's part
-    gives exactly the same values. Returns 1 if it merged, else 0 (a member without its
-    own all-reduce, or all-reduces over different groups or ops: left as they are)."""
+    gives exactly the same values. Returns the merged all-reduce's unit, or None (a
+    member without its own all-reduce, or all-reduces over different groups or ops:
+    left as they are)."""
     wait = unit.wait
     splits = [u for u in wait.users if u.target is torch.ops.aten.split_with_sizes.default]
     if not is_reduce_scatter(unit.start) or len(splits) != 1 or len(wait.users) != 1:
-        return 0
+        return None
     split = splits[0]
     reduces = [_all_reduce_of(piece) for piece in split.users]
     if len(reduces) < 2 or any(r is None for r in reduces):
-        return 0
+        return None
     if len({(node_args(r)[1], group_name(r)) for r in reduces}) != 1:
-        return 0
+        return None
     op, group = node_args(reduces[0])[1:3]
     with graph.inserting_after(wait):
         reduce = graph.call_function(C10D.all_reduce.default, (wait, op, group))
@@ -308,7 +312,34 @@ def _merge_replica_all_reduces(graph: fx.Graph, unit: _Unit) -> int:
         old_wait.replace_all_uses_with(node_args(old)[0])
         graph.erase_node(old_wait)
         graph.erase_node(old)
-    return 1
+    return _Unit(unit.bucket, reduce, reduced)
+
+
+def _defer_replica_waits(graph: fx.Graph, units: list[_Unit]) -> int:
+    """Defer each merged replica all-reduce's wait (with the split and views of its
+    result) to just after the next bucket's all-reduce launch, the rule the
+    reduce-scatter waits follow without a budget: two in flight on the replica group
+    while the next is issued, so each runs behind the next bucket's backward. The bytes
+    in flight are the buckets' reduced shards, gradients the step keeps anyway (1/shard
+    of a reduce-scatter's input), so a memory budget does not change the rule. Returns
+    how many waits moved."""
+    if len(units) < 2:
+        return 0
+    pos = Positions(graph)
+    order = sorted(units, key=lambda u: pos[u.start])
+    deferred = 0
+    reordered = False
+    for current, nxt in zip(order, order[1:]):
+        if pos[current.wait] > pos[nxt.start]:
+            continue
+        side = current.output_side()
+        if pos.move_after(side, nxt.start):
+            deferred += 1
+            members = set(side)
+            reordered |= any(u.op != "output" and u not in members for n in side for u in n.users)
+    if reordered:
+        repair_order(graph)
+    return deferred
 
 
 def _merge(graph, groups, merge_fn, fake_mode, retired, stats, counter) -> list[_Unit]:
