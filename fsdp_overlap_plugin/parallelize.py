@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import accelerators, hf
+from . import accelerators, accumulation, hf
 from .activation_checkpointing import apply_activation_checkpointing
 from .config import OverlapConfig, OverlapConfigError
 from .exchange import build_receive_first_group, exchanges_run
@@ -131,6 +131,8 @@ def parallelize(
         from .compile import compile_model
 
         compile_model(model, state)
+        gather = next(m._fsdp_overlap_gather for m in model.modules() if hasattr(m, "_fsdp_overlap_gather"))
+        state.replica_sync = accumulation.install(model, gather, mesh)
     else:
         fully_shard_plan(model, mesh, plan, config, notes=state.adjustments)
     # transformers' own save_pretrained would gather each sharded tensor on the writing

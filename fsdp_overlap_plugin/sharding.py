@@ -111,6 +111,9 @@ class _Gather:
         self.compute = tuple(Replicate() for _ in range(mesh.ndim))
         self.grad = tuple(Partial("avg") for _ in range(mesh.ndim))
         self.shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
+        # HSDP: False while accumulating (accumulation.py): the traced backward leaves the
+        # replica all-reduce out. Dynamo guards on it, so each value has its own graph.
+        self.all_reduce = True
 
     def __call__(self, param: torch.Tensor, fqn: str | None = None) -> torch.Tensor:
         if not _GATHER_ENABLED or not isinstance(param, DTensor):
@@ -131,6 +134,9 @@ class _Gather:
             forward_dtype=self.param_dtype,
             backward_dtype=self.reduce_dtype,
         )
+        if self.mesh.ndim == 2 and not self.all_reduce:
+            # a replicated 0-dim parameter while accumulating: reduced over the shard group only
+            return full.to_local(grad_placements=(Replicate(), Partial("avg")))
         return full.to_local(grad_placements=self.grad)
 
     def _gather_hsdp(self, param: DTensor) -> torch.Tensor:
@@ -147,7 +153,10 @@ class _Gather:
         replicated = DTensor.from_local(
             param.to_local(), self.mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
-        local = replicated.to_local(grad_placements=(Partial("avg"), Shard(0)))
+        # while accumulating (``all_reduce`` False) the shard's gradient stays this
+        # replica's own: no all-reduce in the graph (accumulation.py reduces the sum later)
+        replica = Partial("avg") if self.all_reduce else Replicate()
+        local = replicated.to_local(grad_placements=(replica, Shard(0)))
         shard = DTensor.from_local(
             local, self.shard_mesh, (Shard(0),), run_check=False, shape=param.shape, stride=param.stride()
         )

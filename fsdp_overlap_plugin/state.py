@@ -72,6 +72,7 @@ class OverlapState:
     exchange_groups: dict[str, str] = field(default_factory=dict)
     exchanges_before: int = 0  # all-to-alls those groups had run when this model was parallelized
     reduce_scatter_reason: str = ""  # why (accelerators.reduce_scatter_choice)
+    replica_sync: Any = None  # accumulation.ReplicaSync of the compiled model
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph; the same on

@@ -7,8 +7,9 @@ setup_module        ``parallelize`` (plan, shard, compile in place), ``materiali
                     references to the replaced full-size ones)
 backward            after the first one: the schedule report to the console and in
                     ``strategy.schedule_report`` / ``strategy.schedule_metrics``
-no_backward_sync    a no-op (the reduce-scatter is in the compiled backward graph;
-                    sharded gradients still accumulate, results are unchanged)
+no_backward_sync    on HSDP, the micro-batches inside skip the replica all-reduce
+                    and the next backward reduces the sum; the reduce-scatter is in
+                    the compiled backward graph and runs on every micro-batch
 checkpoints         sharded by default, full with ``state_dict_type="full"``
                     (``save_distributed_checkpoint=False``)
 """
@@ -25,6 +26,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from ..accumulation import replica_all_reduce_skipped, replica_sync_of
 from ..config import OverlapConfig, OverlapConfigError
 from ..messages import install_excepthook
 from ..report import format_report, schedule_report
@@ -46,13 +48,17 @@ from .trainer import _warn_if_npu_unused, align_autocast_device
 __all__ = ["FSDPOverlapFabricStrategy", "FabricStrategyMixin"]
 
 
-class _AlwaysSync:
-    """Fabric's ``no_backward_sync`` for a strategy whose reduction is compiled in."""
+class _ReplicaSyncControl:
+    """Fabric's ``no_backward_sync``: on HSDP the replica all-reduce is skipped inside
+    (``accumulation.py``); the reduce-scatter is compiled into the backward and runs on
+    every micro-batch."""
 
     def __init__(self, logger: logging.Logger):
         self._logger = logger
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if enabled and replica_sync_of(module) is not None:
+            return replica_all_reduce_skipped(module)
         if enabled:
             log_once(
                 self._logger,
@@ -121,7 +127,7 @@ class FabricStrategyMixin(StrategyBase):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._backward_sync_control = _AlwaysSync(self._log)
+        self._backward_sync_control = _ReplicaSyncControl(self._log)
 
     def _configure_launcher(self) -> None:
         # Called last while Fabric(...) is built, with the precision plugin attached: a

@@ -22,6 +22,8 @@ the standalone ``pytorch_lightning`` package (``standalone.py``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +34,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from .. import accelerators
+from ..accumulation import replica_all_reduce_skipped
 from ..config import OverlapConfig
 from ..messages import install_excepthook
 from ..report import format_report, schedule_report
@@ -188,16 +191,30 @@ class TrainerStrategyMixin(StrategyBase):
         if _fn(trainer) == "fit":
             self.setup_optimizers(trainer)
             if trainer.accumulate_grad_batches > 1:
+                hsdp = len(self.device_mesh.shape) == 2 and self.device_mesh.shape[0] > 1
                 log_once(
                     self._log,
                     "accumulate",
                     f"fsdp_overlap: accumulate_grad_batches={trainer.accumulate_grad_batches}: every micro-batch "
-                    "reduce-scatters its gradients inside the compiled backward; the sharded gradients "
-                    "accumulate locally, so results equal one reduction per optimizer step.",
+                    "reduce-scatters its gradients over the shard group inside the compiled backward; the "
+                    "sharded gradients accumulate locally"
+                    + (
+                        ", and the all-reduce across replicas runs on the last micro-batch only."
+                        if hsdp
+                        else ", so results equal one reduction per optimizer step."
+                    ),
                 )
         self.setup_precision_plugin()
 
     # ---------------------------------------------------------------- training
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's loop runs the micro-batches that accumulate inside this: on HSDP
+        they skip the replica all-reduce, and the last micro-batch reduces the sum
+        (``accumulation.py``). The reduce-scatter runs on every micro-batch."""
+        with replica_all_reduce_skipped(self._parallelized):
+            yield None
+
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self.schedule_report is None and self._parallelized is not None:
