@@ -1,8 +1,8 @@
 """Run a function on N gloo ranks in fresh processes and collect what each returns.
 
-Each rank is a spawned process with one intra-op thread (the CI machine has two
-cores), a TCP store on a free loopback port, and a timeout so a hang fails the test
-instead of the CI job. A rank that dies in native code (a signal: SIGSEGV, SIGABRT,
+Each rank is a fresh process (forked from a fork server that has imported torch once:
+``rank_context``) with one intra-op thread (the CI machine has two cores), a TCP store
+on a free loopback port, and a timeout so a hang fails the test instead of the CI job. A rank that dies in native code (a signal: SIGSEGV, SIGABRT,
 ...) is named with faulthandler's Python stacks of every thread, and the test fails at
 once: a native crash is never rerun. Each one is counted (``count_crash``), for the
 terminal summary and .ci/run to print; a crash on a thread that was running this
@@ -12,6 +12,7 @@ package's code gets a message of its own (``fail_if_package_crashed``). See
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import importlib.util
 import io
@@ -224,7 +225,8 @@ def _worker(
     # a crash in native code writes every thread's Python stack here, for the parent
     crash_log = open(os.path.join(crash_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 (open until exit)
     faulthandler.enable(crash_log, all_threads=True)
-    os.environ.update(env)
+    os.environ.clear()
+    os.environ.update(env)  # the test's whole environment (run_ranks)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -255,11 +257,32 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # A forked process ends with os._exit, which skips the exit hooks: run them here, as a
+    # process that exits does (the plugin's gloo hook; a hook that aborts kills the rank
+    # after its result is in, and the test fails). What os._exit still skips is tearing the
+    # interpreter down: the launcher tests and benchmarks/stress.py run real processes.
+    atexit._run_exitfuncs()
 
 
 def _rank_logs(crash_dir: str, ranks: list[int]) -> dict[str, str]:
     """The faulthandler file of each of ``ranks``, by "rank r"."""
     return {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in ranks}
+
+
+# What the fork server imports before it forks a rank: torch itself (about 1.5 s of CPU per
+# rank on the CI machine, and tests start a few hundred ranks). Nothing more: torch._dynamo
+# and torch._inductor read TORCHINDUCTOR_* settings when they are imported, and tests set
+# those per run (their own cache directory, caches off), so each rank imports them itself.
+PRELOAD = ["torch", "torch.distributed"]
+
+
+def rank_context():
+    """The multiprocessing context ranks start from: ``forkserver`` with torch preloaded.
+    A rank does not inherit the environment from the fork server (started once, with the
+    environment of its first use): ``run_ranks`` sends it the test's environment."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 600, env: dict | None = None) -> list[Any]:
@@ -277,14 +300,13 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 600, en
     instead, which puts that stack first. To chase a native crash, run
     benchmarks/stress.py (``NEVER_RERUN``).
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
+    environ = {**os.environ, **dict(env or {})}  # as the test has it now, not as the fork server had it
     with tempfile.TemporaryDirectory(prefix="ranks-") as crash_dir:
         procs = [
-            ctx.Process(
-                target=_worker, args=(rank, world, port, fn, args, results, dict(env or {}), crash_dir), daemon=False
-            )
+            ctx.Process(target=_worker, args=(rank, world, port, fn, args, results, environ, crash_dir), daemon=False)
             for rank in range(world)
         ]
         for p in procs:
