@@ -3,7 +3,13 @@
 One 4-rank job (CI has two cores: every 4-rank start costs) runs every scenario:
 
 * aot_eager and inductor at 2 x 2 train like one process on the union of the ranks'
-  batches, on a model whose shards are uneven (vocabulary 97: 49 + 48 rows);
+  batches, on a model whose shards are uneven (vocabulary 97: 49 + 48 rows); with the
+  passes off, aot_eager gives bitwise the same losses and parameters, inductor the same
+  within 1e-6;
+* the backward waits each replica all-reduce only after the next bucket's all-reduce has
+  launched, with backward compute between (the cross-node link busy behind compute);
+* gradient accumulation (``model.no_sync()`` on the first of 2 micro-batches) trains like
+  the large batch, and the accumulating micro-batch's backward has no all-reduce;
 * the backward graph after the passes reduces each plan entry's gradients the FSDP2 way:
   one reduce-scatter over the shard group, then one all-reduce of its result (the
   shard, not the full gradient) across the replicas;
@@ -19,6 +25,7 @@ Shard(0))`` goes mesh dim 0 first), and the bucketing left one all-reduce per pa
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -26,11 +33,11 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 from _dist import run_ranks
-from _train import LR, STEPS, batches, full_params, local_slice, make_model, train_reference, train_sharded
+from _train import LR, SEQ, STEPS, batches, full_params, local_slice, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin import checkpoint
-from fsdp_overlap_plugin.models import loss_fn
+from fsdp_overlap_plugin.models import fixed_batches, loss_fn
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +70,14 @@ def _step(model, optimizer, batch, rank: int, world: int) -> float:
     return value.item() / world
 
 
-def _train_2x2(rank: int, world: int, backend: str) -> tuple[torch.nn.Module, dict]:
+PASSES_OFF = {"manual_bucketing": False, "overlap_grad_reduce": False}
+
+
+def _train_2x2(rank: int, world: int, backend: str, **overrides) -> tuple[torch.nn.Module, dict]:
     torch._dynamo.reset()
     model = make_model(**MODEL)
-    reference = train_reference(model) if rank == 0 and backend == "aot_eager" else (None, None)
-    fo.parallelize(model, backend=backend, mesh=HSDP)
+    reference = train_reference(model) if rank == 0 and backend == "aot_eager" and not overrides else (None, None)
+    fo.parallelize(model, backend=backend, mesh=HSDP, **overrides)
     result = {
         "losses": train_sharded(model, rank, world),
         "params": full_params(model),
@@ -101,10 +111,50 @@ def _checkpoint(rank: int, world: int, model: torch.nn.Module, path: str) -> dic
     return out
 
 
+def _accumulate(rank: int, world: int) -> dict:
+    """Each step's batch in 2 micro-batches, the first under ``model.no_sync()``: the
+    replica all-reduce runs once per step (behind the second micro-batch), and the step
+    equals one on the whole batch. The reference: one process, whole batches."""
+    torch._dynamo.reset()
+    data = fixed_batches(STEPS, 2 * world, SEQ, MODEL["vocab_size"])  # 2 rows per rank: 1 per micro-batch
+    model = make_model(**MODEL)
+    reference = train_reference(model, data=data) if rank == 0 else (None, None)
+    fo.parallelize(model, backend="aot_eager", mesh=HSDP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, graphs = [], []
+    for x, y in data:
+        mine_x, mine_y = local_slice(x, rank, world), local_slice(y, rank, world)
+        half = mine_x.shape[0] // 2
+        total = torch.zeros(())
+        for k, sync in enumerate((model.no_sync(), contextlib.nullcontext())):
+            with sync:
+                part = slice(k * half, (k + 1) * half)
+                loss = loss_fn(model(mine_x[part]), mine_y[part]) / 2
+                loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    for entry in fo.schedule_report(model)["graphs"]:
+        if entry["graph"] == "backward":
+            graphs.append((entry["after"]["reduce_scatter"], entry["after"]["all_reduce"]))
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "ref_losses": reference[0],
+        "ref_params": reference[1],
+        "backward_graphs": graphs,
+    }
+
+
 def _scenarios(rank: int, world: int, path: str) -> dict:
     model, aot_eager = _train_2x2(rank, world, "aot_eager")
     dcp = _checkpoint(rank, world, model, path)
+    _, aot_eager_off = _train_2x2(rank, world, "aot_eager", **PASSES_OFF)
+    accumulate = _accumulate(rank, world)
     _, inductor = _train_2x2(rank, world, "inductor")
+    _, inductor_off = _train_2x2(rank, world, "inductor", **PASSES_OFF)
     inductor["ref_losses"], inductor["ref_params"] = aot_eager["ref_losses"], aot_eager["ref_params"]
     # every rank's shard layout and backward graph (uneven shards: ranks 1 and 3 hold
     # smaller ones); losses and full parameters are the same on every rank
@@ -117,7 +167,14 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
         },
     }
     if rank == 0:
-        out.update(aot_eager=aot_eager, inductor=inductor, dcp=dcp)
+        out.update(
+            aot_eager=aot_eager,
+            inductor=inductor,
+            dcp=dcp,
+            aot_eager_off=aot_eager_off,
+            inductor_off=inductor_off,
+            accumulate=accumulate,
+        )
     return out
 
 
@@ -154,11 +211,32 @@ def test_shards_are_uneven_on_every_layout(results):
     assert placements["1x4"]["placements"] == ["S(0)"]
 
 
-@pytest.mark.parametrize(("backend", "tol"), [("aot_eager", 1e-6), ("inductor", 1e-5)])
+@pytest.mark.parametrize(("backend", "tol"), [("aot_eager", 1e-6), ("inductor", 1e-6)])
 def test_hsdp_2x2_matches_single_process(results, backend, tol):
     result = results[0][backend]
     _matches_reference(result, tol)
     print(f"{backend}: max |loss - ref| = {_max_diff(result)[0]:.3g}, max |param - ref| = {_max_diff(result)[1]:.3g}")
+
+
+@pytest.mark.parametrize(("backend", "tol"), [("aot_eager", 0.0), ("inductor", 1e-6)])
+def test_passes_change_no_number(results, backend, tol):
+    """Passes on and off at 2 x 2: aot_eager bitwise, inductor within 1e-6."""
+    on, off = results[0][backend], results[0][f"{backend}_off"]
+    assert off["report"]["passes"] == {"manual_bucketing": False, "overlap_grad_reduce": False}
+    assert off["report"]["backward"]["after"]["all_reduce"] == N_PARAMS  # unbucketed: one per parameter
+    for got, want in zip(on["losses"], off["losses"], strict=True):
+        assert abs(got - want) <= tol, (on["losses"], off["losses"])
+    for name, want in off["params"].items():
+        torch.testing.assert_close(on["params"][name], want, rtol=0, atol=tol, msg=name)
+
+
+def test_accumulation_all_reduces_once_per_step_and_trains_like_the_large_batch(results):
+    acc = results[0]["accumulate"]
+    _matches_reference({**acc, "report": {"mesh": [2, 2], "mode": "compiled"}}, 1e-6)
+    # two backward graphs: the accumulating micro-batch's reduce-scatters without any
+    # all-reduce, the last one's reduce-scatters then all-reduces each bucket
+    assert sorted(acc["backward_graphs"]) == [(4, 0), (4, 4)], acc["backward_graphs"]
+    print(f"accumulation: max |loss - ref| = {_max_diff(acc)[0]:.3g}, max |param - ref| = {_max_diff(acc)[1]:.3g}")
 
 
 def _entries_with_params(plan: list[list[str]], params: list[str]) -> int:
@@ -197,17 +275,17 @@ def test_backward_reduce_scatters_then_all_reduces_each_bucket(results, backend)
             ar = reduces[bucket]
             # launch, wait, then the replica all-reduce of the waited result, and its wait
             assert at[rs["name"]] < waits[rs["name"]] < at[ar["name"]] < waits[ar["name"]], (rank, bucket, events)
-        # each all-reduce is waited only after the next bucket's all-reduce has launched:
-        # it runs behind that bucket's backward, not waited at once
-        for ar, nxt in zip(launched, launched[1:]):
-            assert waits[ar["name"]] > at[nxt["name"]], (rank, ar, nxt, events)
-            assert any(e["op"] == "compute" for e in events[at[ar["name"]] : waits[ar["name"]]]), (rank, ar)
             # bytes: the reduce-scatter's input (padded to 2 equal chunks), the all-reduce's
             # input: this rank's shards; rank 0 holds the larger of uneven shards
             if rank == 0:
                 assert ar["bytes"] * HSDP["shard"] == rs["bytes"], (bucket, rs, ar)
             else:
                 assert 0 < ar["bytes"] * HSDP["shard"] <= rs["bytes"], (rank, bucket, rs, ar)
+        # each all-reduce is waited only after the next bucket's all-reduce has launched:
+        # it runs behind that bucket's backward, not waited at once
+        for ar, nxt in zip(launched, launched[1:]):
+            assert waits[ar["name"]] > at[nxt["name"]], (rank, ar, nxt, events)
+            assert any(e["op"] == "compute" for e in events[at[ar["name"]] : waits[ar["name"]]]), (rank, ar)
 
 
 def test_each_shard_group_has_its_own_receive_first_group(results):
