@@ -390,7 +390,10 @@ class CompileProgress:
             return
         self.recompiles += 1
         self.announced = True
-        short = reason if len(reason) <= 100 else reason[:97] + "..."
+        if "_fsdp_overlap_gather.all_reduce" in reason:  # accumulation.py's flag, in Dynamo's guard
+            short = "gradient accumulation: the micro-batches that skip the replica all-reduce get a graph of their own"
+        else:
+            short = reason if len(reason) <= 100 else reason[:97] + "..."
         say(self.state.rank, f"fsdp-overlap: compiling the model again ({short})...")
 
     def call_finished(self, fallback: bool = False) -> None:

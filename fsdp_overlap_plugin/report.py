@@ -328,6 +328,25 @@ def _rates_origin(report: dict, cost: dict) -> str:
     return "; ".join(parts)
 
 
+def _hsdp_words(mesh: list[int], backward: dict, passes: dict) -> str:
+    """HSDP in one line: what each of the two groups carries, and what the replica
+    all-reduces overlap with."""
+    buckets = backward["after"].get("all_reduce", 0)
+    deferred = ((backward.get("passes") or {}).get("manual_bucketing") or {}).get("deferred_ar_waits", 0)
+    words = (
+        f"  groups: each rank shards with {mesh[1]} ranks (parameter gathers and gradient reduce-scatters) and "
+        f"is one of {mesh[0]} replicas, which all-reduce only their gradient shards ({buckets} all-reduces, "
+        "the traffic between nodes): "
+    )
+    if deferred:
+        return words + (
+            f"each bucket's all-reduce starts when its reduce-scatter is done and {deferred} of {buckets} run behind "
+            "the next buckets' backward"
+        )
+    why = "bucketing is off" if not passes.get("manual_bucketing") else "one bucket has no next bucket to run behind"
+    return words + f"each is waited at once ({why})"
+
+
 def headline(report: dict[str, Any]) -> list[str]:
     """The first lines a practitioner reads, in plain words: how the model runs, its
     buckets, the collectives per step before -> after the passes, how much communication
@@ -372,6 +391,8 @@ def headline(report: dict[str, Any]) -> list[str]:
         if record and (record["before"].get("all_reduce") or record["after"].get("all_reduce")):
             parts.append(f"{kind} {_arrow(record, 'all_reduce')} all-reduces")
     lines.append("  collectives per step (before -> after the passes): " + "; ".join(parts))
+    if len(mesh) == 2 and mesh[0] > 1 and bwd:
+        lines.append(_hsdp_words(mesh, bwd, report["passes"]))
     pred = report.get("predicted") or {}
     if pred:
         after = {k: sum(p["after"][k] for p in pred.values()) for k in ("comm_s", "exposed_comm_s", "compute_s")}

@@ -120,6 +120,21 @@ def test_all_reduces_appear_when_there_are_some(llama_report):
     assert headline(report)[0].startswith("fsdp-overlap summary: 4 ranks (2 replicas of 2 shards), compiled")
     report["backward"]["before"]["all_reduce"], report["backward"]["after"]["all_reduce"] = 21, 4
     assert "; backward 21 -> 4 all-reduces" in "\n".join(headline(report))
+    # both groups, and what the replica all-reduces overlap with
+    report["backward"]["passes"]["manual_bucketing"]["deferred_ar_waits"] = 3
+    groups = [line for line in headline(report) if line.startswith("  groups: ")]
+    assert groups == [
+        "  groups: each rank shards with 2 ranks (parameter gathers and gradient reduce-scatters) and is one of "
+        "2 replicas, which all-reduce only their gradient shards (4 all-reduces, the traffic between nodes): each "
+        "bucket's all-reduce starts when its reduce-scatter is done and 3 of 4 run behind the next buckets' backward"
+    ], groups
+    report["backward"]["passes"]["manual_bucketing"]["deferred_ar_waits"] = 0
+    report["passes"]["manual_bucketing"] = False
+    assert [line for line in headline(report) if line.startswith("  groups: ")][0].endswith(
+        "each is waited at once (bucketing is off)"
+    )
+    report["mesh"], report["world_size"] = [1, 2], 2  # one replica: no groups line
+    assert not [line for line in headline(report) if line.startswith("  groups: ")]
 
 
 def test_plan_words_collapse_runs_of_blocks():

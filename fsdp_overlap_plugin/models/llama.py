@@ -13,7 +13,7 @@ TINY_LLAMA = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
     # even, so both ranks' shards have the same shape: with uneven shards a second run on a
-    # warm inductor cache crashes in torch 2.13 (docs/troubleshooting.md, "Known problems")
+    # warm inductor cache crashed in torch 2.13 (docs/troubleshooting.md, "Fixed problems")
     "vocab_size": 256,
     "hidden_size": 64,
     "intermediate_size": 128,
