@@ -13,9 +13,13 @@ FSDP2's names, on the compiled model (``compile: false`` is FSDP2 itself and has
   graph all-reduces its gradients (overlapped as usual), and when it ends the two are added.
   An average is linear, so the sum equals one all-reduce of the whole accumulated gradient
   (to rounding).
-* ``model.set_requires_gradient_sync(False)`` does the same here: FSDP2 also skips the
-  reduce-scatter, keeping full-size gradients; ours stay sharded, so the reduce-scatter runs
-  on every micro-batch (its bytes stay on the fast shard link).
+* ``model.set_requires_gradient_sync(False)`` does the same here, and only that: FSDP2 also
+  skips the reduce-scatter and keeps full-size, unreduced gradients until the last
+  micro-batch; here the reduce-scatter is part of the compiled backward graph and runs on
+  every micro-batch (over the shard group, the fast link), so gradients stay sharded
+  (less memory than FSDP2's) and only the replica all-reduce is deferred. The numbers are
+  the same either way. The first call says so once (INFO, logger
+  ``fsdp_overlap_plugin.accumulation``); there is no switch that skips the reduce-scatter.
 * ``model.no_sync()``: a context manager for ``set_requires_gradient_sync(False)``.
 
 Accelerate's ``accumulate`` calls ``set_requires_gradient_sync`` on an FSDP2 model; the
@@ -25,6 +29,7 @@ Lightning strategies call these from their backward-sync hooks.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +38,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 __all__ = ["ReplicaSync", "install", "replica_all_reduce_skipped", "replica_sync_of"]
+
+log = logging.getLogger(__name__)
+_SAID: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        log.info(message)
 
 
 class ReplicaSync:
@@ -46,6 +60,9 @@ class ReplicaSync:
         self._replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self._pending: list[tuple[dist.Work, torch.Tensor, list[tuple[nn.Parameter, int, int]]]] = []
         self._queued = False
+        self.deferred_all_reduces = 0
+        """How many accumulated sums were all-reduced behind a last micro-batch (one per
+        optimizer step that accumulated): what tests and users can count."""
         self._hooks = []
         if self._group is not None:
             for param in self._params():
@@ -74,6 +91,16 @@ class ReplicaSync:
         self._gather.all_reduce = bool(requires_all_reduce)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's name (Accelerate's ``accumulate`` / ``no_sync`` call it): here it skips the
+        replica all-reduce only; the reduce-scatter runs on every micro-batch (module doc)."""
+        if not requires_gradient_sync and self._group is not None:
+            _say_once(
+                "gradient_sync",
+                "fsdp_overlap: set_requires_gradient_sync(False): the micro-batches that accumulate skip the "
+                "all-reduce across replicas; their reduce-scatter over the shard group is compiled into the "
+                "backward and still runs, so gradients stay sharded (FSDP2 would keep them full-size and skip "
+                "it). Results are the same.",
+            )
         self.set_requires_all_reduce(requires_gradient_sync)
 
     @contextlib.contextmanager
@@ -103,6 +130,8 @@ class ReplicaSync:
                 offset += local.numel()
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
             self._pending.append((work, flat, layout))
+        if by_dtype:
+            self.deferred_all_reduces += 1
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if self._pending and not self._queued:

@@ -22,6 +22,14 @@ launcher exports, which include command-line overrides), or else from the YAML:
     mixed_precision               -> param_dtype (bf16, fp16; "no" leaves dtypes alone)
     fsdp_reshard_after_forward    -> reshard_after_forward
     fsdp_activation_checkpointing -> activation_checkpointing (true: each repeated block)
+    fsdp_sharding_strategy        -> mesh: HYBRID_SHARD replicates over the machines
+                                     ($WORLD_SIZE / $LOCAL_WORLD_SIZE, else num_machines)
+                                     and shards within each; FULL_SHARD (the launcher's
+                                     default) changes nothing; the other FSDP1 values
+                                     are an error saying what to write instead
+    parallelism_config            -> mesh: {replicate: parallelism_config_dp_replicate_size,
+                                     shard: parallelism_config_dp_shard_size} (both 1:
+                                     nothing); tp/cp/sp sizes above 1 are an error
 
 Accelerate's key decides; an ``fsdp_overlap_*`` key that contradicts it is an error
 naming both, so the two can never disagree. Everything here is pure (no process
@@ -224,6 +232,8 @@ class FileSettings:
     accelerate_format: bool
     world: int | None = None
     """``num_processes``: the ranks ``accelerate launch`` starts (unless its command line says otherwise)."""
+    machines: int | None = None
+    """``num_machines``, when the file has it."""
 
 
 def _known_accelerate_fsdp_keys() -> set[str]:
@@ -232,6 +242,21 @@ def _known_accelerate_fsdp_keys() -> set[str]:
     keys = {a.dest for a in launch_command_parser()._actions if a.dest.startswith("fsdp_")}
     return keys | {"fsdp_ignored_modules"}  # read by the launcher through getattr, not an option
 
+
+#: The keys of Accelerate's ``parallelism_config`` YAML section (the launcher's options).
+_PARALLELISM_KEYS = (
+    "parallelism_config_dp_replicate_size",
+    "parallelism_config_dp_shard_size",
+    "parallelism_config_tp_size",
+    "parallelism_config_cp_size",
+    "parallelism_config_cp_backend",
+    "parallelism_config_cp_comm_strategy",
+    "parallelism_config_sp_size",
+    "parallelism_config_sp_backend",
+    "parallelism_config_sp_seq_length",
+    "parallelism_config_sp_seq_length_is_variable",
+    "parallelism_config_sp_attn_implementation",
+)
 
 #: Top-level keys that make a YAML an Accelerate config (else it is a plain plugin YAML).
 ACCELERATE_KEYS = ("distributed_type", "fsdp_config", "compute_environment")
@@ -326,9 +351,24 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
         accelerate["dynamo_backend"] = data["dynamo_backend"]
     if "distributed_type" in data:
         accelerate["distributed_type"] = data["distributed_type"]
+    parallelism = data.get("parallelism_config") or {}
+    if not isinstance(parallelism, dict):
+        raise OverlapConfigError(f"{source}: parallelism_config: expected a mapping, got {type(parallelism).__name__}.")
+    for raw_key, value in parallelism.items():
+        key = str(raw_key)
+        if key not in _PARALLELISM_KEYS:
+            # the launcher copies these keys onto its arguments as they are: any other is dropped
+            raise OverlapConfigError(
+                f"{source}: parallelism_config.{key}: unknown key (accelerate launch would drop it silently)."
+                f"{suggest(key if key.startswith('parallelism_config_') else 'parallelism_config_' + key, _PARALLELISM_KEYS)} "
+                f"Valid keys: {', '.join(_PARALLELISM_KEYS)}."
+            )
+        accelerate[key] = value
     processes = data.get("num_processes")
     world = processes if isinstance(processes, int) and not isinstance(processes, bool) and processes > 0 else None
-    return FileSettings(plugin, accelerate, source, accelerate_format=True, world=world)
+    machines = data.get("num_machines")
+    machines = machines if isinstance(machines, int) and not isinstance(machines, bool) and machines > 0 else None
+    return FileSettings(plugin, accelerate, source, accelerate_format=True, world=world, machines=machines)
 
 
 def file_settings(data: dict, source: str) -> FileSettings:
@@ -357,6 +397,15 @@ class AccelerateSettings:
     fsdp_version: int | None = None
     offload_params: bool | None = None
     dynamo_backend: str | None = None
+    sharding_strategy: str | None = None
+    """FSDP1's ``fsdp_sharding_strategy``, upper case (``HYBRID_SHARD``)."""
+    dp_replicate: int | None = None
+    """``parallelism_config``'s ``dp_replicate_size`` (with ``dp_shard``); None when it
+    has none or both sizes are 1."""
+    dp_shard: int | None = None
+    machines: int = 1
+    """Machines of the launch: ``$WORLD_SIZE / $LOCAL_WORLD_SIZE`` (torchrun exports both),
+    else the file's ``num_machines``, else 1."""
     where: dict[str, str] = field(default_factory=dict)
 
 
@@ -373,7 +422,103 @@ def _as_bool(value: Any, key: str) -> bool:
         return True
     if key == "fsdp_reshard_after_forward" and text in ("shard_grad_op", "no_shard", "no_reshard"):
         return False
+    if key == "fsdp_reshard_after_forward" and text.lstrip("_") in ("hybrid_shard", "hybrid_shard_zero2"):
+        # Accelerate's FSDP2 plugin refuses a sharding strategy here too (it wants a bool)
+        reshard = "true" if text.lstrip("_") == "hybrid_shard" else "false"
+        raise OverlapConfigError(
+            f"{key}: {value!r} is a sharding strategy; with fsdp_version: 2 it takes true or false (Accelerate's "
+            f"FSDP2 plugin refuses it too). Write fsdp_sharding_strategy: HYBRID_SHARD and {key}: {reshard}."
+        )
     raise OverlapConfigError(f"{key}: expected true or false, got {value!r}.")
+
+
+#: ``fsdp_sharding_strategy`` values (FSDP1's key, which Accelerate's FSDP2 path ignores):
+#: what each means here. FULL_SHARD is what the launcher exports when nothing is set.
+SHARDING_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD")
+_OTHER_STRATEGIES = {
+    "SHARD_GRAD_OP": "write fsdp_reshard_after_forward: false (FSDP2's spelling of it)",
+    "HYBRID_SHARD_ZERO2": "write fsdp_sharding_strategy: HYBRID_SHARD with fsdp_reshard_after_forward: false",
+    "NO_SHARD": (
+        "to replicate every parameter, set parallelism_config_dp_replicate_size to the number of processes "
+        "(parallelism_config_dp_shard_size: 1)"
+    ),
+}
+
+
+def _strategy_name(value: Any, key: str) -> str:
+    from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+
+    text = str(getattr(value, "name", value)).strip().upper().lstrip("_")
+    if text.isdigit() and 1 <= int(text) <= len(FSDP_SHARDING_STRATEGY):  # the launcher's 1-based numbers
+        text = FSDP_SHARDING_STRATEGY[int(text) - 1]
+    if text in _OTHER_STRATEGIES:
+        raise OverlapConfigError(
+            f"{key}: {value!r} is not supported by fsdp-overlap (with fsdp_version: 2 Accelerate ignores this FSDP1 "
+            f"key); valid: {', '.join(SHARDING_STRATEGIES)}. To get it, {_OTHER_STRATEGIES[text]}."
+        )
+    if text not in SHARDING_STRATEGIES:
+        raise OverlapConfigError(
+            f"{key}: {value!r} is not a sharding strategy; valid: {', '.join(SHARDING_STRATEGIES)}."
+            f"{suggest(text, SHARDING_STRATEGIES)}"
+        )
+    return text
+
+
+def _size(value: Any, key: str) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        number = 0
+    if number < 1 or isinstance(value, bool):
+        raise OverlapConfigError(f"{key}: expected an integer >= 1, got {value!r}.")
+    return number
+
+
+def _parallelism(s: AccelerateSettings, accelerator: Any, env: Mapping[str, str], yaml_values: dict, yaml_where: str):
+    """``parallelism_config``'s data-parallel sizes, from the Accelerator, else what the
+    launcher exported, else the file. Tensor/context/sequence parallel sizes above 1 are
+    an error (the plugin shards over data-parallel ranks only)."""
+    keys = ("parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size")
+    others = ("tp", "cp", "sp")
+    live = getattr(accelerator, "parallelism_config", None) if accelerator is not None else None
+    if live is not None:
+        sizes = {"dp_replicate": live.dp_replicate_size, "dp_shard": live.dp_shard_size}
+        sizes.update({k: getattr(live, f"{k}_size", 1) for k in others})
+        where = "parallelism_config of the Accelerator"
+    elif env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+        sizes = {k: env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1") for k in ("dp_replicate", "dp_shard", *others)}
+        where = "as accelerate launch passed it ($PARALLELISM_CONFIG_*)"
+    elif any(f"parallelism_config_{k}_size" in yaml_values for k in ("dp_replicate", "dp_shard", *others)):
+        sizes = {k: yaml_values.get(f"parallelism_config_{k}_size", 1) for k in ("dp_replicate", "dp_shard", *others)}
+        where = f"parallelism_config in {yaml_where}"
+    else:
+        return
+    sizes = {k: _size(v, f"parallelism_config.parallelism_config_{k}_size") for k, v in sizes.items()}
+    extra = [k for k in others if sizes[k] > 1]
+    if extra:
+        raise OverlapConfigError(
+            f"parallelism_config.parallelism_config_{extra[0]}_size is {sizes[extra[0]]} ({where}); fsdp-overlap "
+            f"shards over data-parallel ranks only: set it to 1 (valid: {', '.join(keys)})."
+        )
+    if (sizes["dp_replicate"], sizes["dp_shard"]) == (1, 1):
+        return  # no sizes set: nothing asked of the mesh
+    s.dp_replicate, s.dp_shard = sizes["dp_replicate"], sizes["dp_shard"]
+    s.where["parallelism"] = (
+        f"parallelism_config_dp_replicate_size={s.dp_replicate}, parallelism_config_dp_shard_size={s.dp_shard} "
+        f"({where})"
+    )
+
+
+def _machines(s: AccelerateSettings, env: Mapping[str, str], file: FileSettings | None) -> None:
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(local) > 0 and int(world) % int(local) == 0:
+        s.machines = int(world) // int(local)
+        s.where["machines"] = f"$WORLD_SIZE={world} / $LOCAL_WORLD_SIZE={local}"
+    elif file is not None and file.machines is not None:
+        s.machines = file.machines
+        s.where["machines"] = f"num_machines in {file.source}"
+    else:
+        s.where["machines"] = "no $LOCAL_WORLD_SIZE, no num_machines"
 
 
 def accelerate_settings(
@@ -421,6 +566,9 @@ def accelerate_settings(
     pick("sync_module_states", "fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", "sync_module_states", _as_bool)
     pick("fsdp_version", "fsdp_version", "FSDP_VERSION", "fsdp_version", lambda v, k: int(v))
     pick("offload_params", "fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", None, _as_bool)
+    pick("sharding_strategy", "fsdp_sharding_strategy", "FSDP_SHARDING_STRATEGY", "sharding_strategy", _strategy_name)
+    _parallelism(s, accelerator, env, yaml_values, yaml_where)
+    _machines(s, env, file)
 
     if accelerator is not None:
         s.mixed_precision = str(accelerator.mixed_precision)
@@ -545,6 +693,39 @@ def build_config(
                 "may be left out).",
             )
         values["reshard_after_forward"] = theirs
+
+    # parallelism_config dp sizes / fsdp_sharding_strategy: HYBRID_SHARD -> mesh
+    theirs_mesh, theirs_where = None, ""
+    if settings.dp_replicate is not None:
+        theirs_mesh, theirs_where = (settings.dp_replicate, settings.dp_shard), settings.where["parallelism"]
+    if settings.sharding_strategy == "HYBRID_SHARD":
+        hybrid_where = (
+            f"fsdp_sharding_strategy is HYBRID_SHARD ({settings.where.get('sharding_strategy')}): replicate over "
+            f"{settings.machines} machine(s) ({settings.where.get('machines')})"
+        )
+        if theirs_mesh is not None and theirs_mesh[0] != settings.machines:
+            raise OverlapConfigError(
+                f"{source + ': ' if source else ''}{hybrid_where}, but {theirs_where}; the two must agree. Remove "
+                "fsdp_sharding_strategy (parallelism_config decides) or make the replicate size the machine count."
+            )
+        if theirs_mesh is None:
+            theirs_mesh, theirs_where = (settings.machines, -1), hybrid_where
+    if theirs_mesh is not None:
+        try:
+            ours = OverlapConfig.from_dict({"mesh": values.get("mesh")}).mesh
+        except OverlapConfigError as exc:
+            raise rename_error(exc, source, prefixed) from None
+        # the default ({replicate: 1, shard: -1}, written out in configs/overlap.yaml) asks nothing
+        if "mesh" in given and ours != OverlapConfig().mesh:
+            shards_agree = ours.shard == theirs_mesh[1] or -1 in (ours.shard, theirs_mesh[1])
+            if ours.replicate != theirs_mesh[0] or not shards_agree:
+                raise conflict(
+                    "mesh",
+                    {"replicate": ours.replicate, "shard": ours.shard},
+                    theirs_where,
+                    f"Remove {_key('mesh', prefixed)} (Accelerate's key decides) or make it say the same.",
+                )
+        values["mesh"] = {"replicate": theirs_mesh[0], "shard": theirs_mesh[1]}
 
     # fsdp_activation_checkpointing -> activation_checkpointing
     if settings.activation_checkpointing is not None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .. import accelerators
-from ..config import OverlapConfig, OverlapConfigError, suggest
+from ..config import MeshConfig, OverlapConfig, OverlapConfigError, suggest
 from ..initialize import materialize
 from ..messages import install_excepthook
 from ..parallelize import parallelize
@@ -30,7 +30,9 @@ __all__ = [
     "CONFIG_FIELDS",
     "PRECISION_DTYPES",
     "StrategyBase",
+    "SHARDING_STRATEGIES",
     "build_config",
+    "check_mesh_arguments",
     "config_for_precision",
     "distributed_checkpoint",
     "log_once",
@@ -40,6 +42,7 @@ __all__ = [
     "parallelized_module",
     "precision_of",
     "report_metrics",
+    "resolve_mesh",
     "select_target",
 ]
 
@@ -92,6 +95,106 @@ def build_config(config: OverlapConfig | dict | str | None, overrides: dict[str,
     except OverlapConfigError as exc:
         raise OverlapConfigError(f"config: {exc}") from None  # the strategy's `config` argument
     return OverlapConfig.coerce(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# Lightning FSDPStrategy's ``sharding_strategy`` values the strategies accept. The others
+# are FSDP1 modes that this FSDP2-style layout has no switch for; each has a pointer.
+SHARDING_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD")
+_OTHER_STRATEGIES = {
+    "SHARD_GRAD_OP": "reshard_after_forward=False keeps the gathered parameters from forward to backward",
+    "_HYBRID_SHARD_ZERO2": "sharding_strategy='HYBRID_SHARD' with reshard_after_forward=False is the same",
+    "HYBRID_SHARD_ZERO2": "sharding_strategy='HYBRID_SHARD' with reshard_after_forward=False is the same",
+    "NO_SHARD": "mesh={'replicate': <world size>, 'shard': 1} replicates every parameter (DDP)",
+}
+
+
+def _strategy_name(value: Any) -> str:
+    return str(getattr(value, "name", value)).strip().upper()
+
+
+def _mesh_tuple(device_mesh: Any) -> tuple[int, int] | None:
+    if device_mesh is None:
+        return None
+    ok = (
+        isinstance(device_mesh, (tuple, list))
+        and len(device_mesh) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh)
+    )
+    if not ok:
+        raise OverlapConfigError(
+            f"device_mesh: expected a tuple (replicate, shard) of two integers >= 1, got {device_mesh!r} "
+            "(a DeviceMesh object is not taken: the strategy builds its own mesh from the sizes)."
+        )
+    return int(device_mesh[0]), int(device_mesh[1])
+
+
+def _mesh_given(config: OverlapConfig) -> bool:
+    return (config.mesh.replicate, config.mesh.shard) != (MeshConfig().replicate, MeshConfig().shard)
+
+
+def check_mesh_arguments(config: OverlapConfig, sharding_strategy: Any, device_mesh: Any) -> None:
+    """The pure checks of the mesh spellings, at construction (no node count yet):
+    ``sharding_strategy`` is a known value, ``device_mesh`` a pair of sizes, and the
+    spellings that can be compared without the node count agree."""
+    if sharding_strategy is not None:
+        name = _strategy_name(sharding_strategy)
+        if name in _OTHER_STRATEGIES:
+            raise OverlapConfigError(
+                f"sharding_strategy={sharding_strategy!r} is not supported by the fsdp_overlap strategy; valid: "
+                f"{', '.join(SHARDING_STRATEGIES)}. {_OTHER_STRATEGIES[name]}."
+            )
+        if name not in SHARDING_STRATEGIES:
+            raise OverlapConfigError(
+                f"sharding_strategy={sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}."
+                f"{suggest(name, SHARDING_STRATEGIES)}"
+            )
+    sizes = _mesh_tuple(device_mesh)
+    if sizes is not None:
+        if sharding_strategy is not None and _strategy_name(sharding_strategy) == "FULL_SHARD" and sizes[0] > 1:
+            raise OverlapConfigError(
+                f"device_mesh={sizes} replicates over {sizes[0]} groups but sharding_strategy='FULL_SHARD' shards "
+                "over every rank; use sharding_strategy='HYBRID_SHARD' (or leave it out) with a device_mesh."
+            )
+        if _mesh_given(config) and (config.mesh.replicate, config.mesh.shard) not in (sizes, (sizes[0], -1)):
+            raise OverlapConfigError(
+                f"device_mesh={sizes} contradicts mesh={{'replicate': {config.mesh.replicate}, 'shard': "
+                f"{config.mesh.shard}}}: they say the same thing, pass one of them."
+            )
+    elif sharding_strategy is not None and _strategy_name(sharding_strategy) == "FULL_SHARD":
+        if config.mesh.replicate > 1:
+            raise OverlapConfigError(
+                f"sharding_strategy='FULL_SHARD' shards over every rank but mesh.replicate is "
+                f"{config.mesh.replicate}; use sharding_strategy='HYBRID_SHARD', or leave one of them out."
+            )
+
+
+def resolve_mesh(
+    config: OverlapConfig, sharding_strategy: Any, device_mesh: Any, num_nodes: int, devices_per_node: int
+) -> OverlapConfig:
+    """The config with its ``mesh`` set from Lightning's spellings, once the node count is
+    known (pure: every rank raises the same error before any collective).
+
+    ``device_mesh=(R, S)`` (Lightning FSDPStrategy's HSDP tuple) -> ``mesh: {replicate: R,
+    shard: S}``; ``sharding_strategy="HYBRID_SHARD"`` without it -> replicate over the
+    nodes, shard within each: ``{replicate: num_nodes, shard: devices_per_node}``;
+    ``"FULL_SHARD"`` -> one shard group (``replicate: 1``). ``mesh=`` given as well must
+    say the same, else the error names both."""
+    check_mesh_arguments(config, sharding_strategy, device_mesh)
+    sizes = _mesh_tuple(device_mesh)
+    name = _strategy_name(sharding_strategy) if sharding_strategy is not None else None
+    if sizes is None and name == "HYBRID_SHARD":
+        sizes = (num_nodes, devices_per_node)
+        ours = config.mesh
+        if _mesh_given(config) and (ours.replicate, ours.shard) not in (sizes, (sizes[0], -1)):
+            raise OverlapConfigError(
+                f"sharding_strategy='HYBRID_SHARD' replicates over the {num_nodes} node(s) and shards over the "
+                f"{devices_per_node} device(s) of each (num_nodes={num_nodes}, devices={devices_per_node}), but "
+                f"mesh={{'replicate': {ours.replicate}, 'shard': {ours.shard}}}; pass one of them, or "
+                f"device_mesh=(replicate, shard) for another layout."
+            )
+    if sizes is None:
+        return config
+    return config.replace(mesh=MeshConfig(replicate=sizes[0], shard=sizes[1]))
 
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -221,6 +324,28 @@ class StrategyBase:
     _lightning_package: str
     _user_config: OverlapConfig
     _config: OverlapConfig | None
+
+    _sharding_strategy: Any = None
+    _mesh_sizes: Any = None
+
+    def _init_mesh_arguments(self, sharding_strategy: Any, device_mesh: Any) -> None:
+        """Keep Lightning's mesh spellings (checked now; resolved once the node count is
+        known, ``_config_with_mesh``)."""
+        try:
+            check_mesh_arguments(self._user_config, sharding_strategy, device_mesh)
+        except OverlapConfigError:
+            install_excepthook()
+            raise
+        self._sharding_strategy = sharding_strategy
+        self._mesh_sizes = device_mesh
+
+    def _config_with_mesh(self) -> OverlapConfig:
+        """The user's config with ``mesh`` set from ``sharding_strategy`` / ``device_mesh``
+        and Lightning's ``num_nodes`` / ``devices`` (``resolve_mesh``)."""
+        devices = len(getattr(self, "parallel_devices", None) or []) or 1
+        return resolve_mesh(
+            self._user_config, self._sharding_strategy, self._mesh_sizes, int(getattr(self, "num_nodes", 1)), devices
+        )
 
     @property
     def overlap_config(self) -> OverlapConfig:

@@ -19,7 +19,9 @@ Nothing here re-states a rule:
 3. Lightning's ``_AcceleratorConnector``, what ``Trainer(...)`` builds, picks the precision
    plugin (normalising the flag, refusing what ``ModelParallelStrategy`` refuses, turning
    16-mixed into bf16-mixed on a CPU) and calls the strategy's ``_configure_launcher``;
-4. ``config_for_precision``, what the strategy runs in ``setup_environment``, gives the dtypes.
+4. ``config_for_precision``, what the strategy runs in ``setup_environment``, gives the dtypes,
+   after the mesh from ``sharding_strategy`` / ``device_mesh`` and the trainer's
+   ``num_nodes`` / ``devices`` (``_common.resolve_mesh``).
 
 Unknown keys are looked up against the same signatures first, only to name the nearest
 valid one. The ``model`` and ``data`` sections depend on the user's own classes and are not
@@ -247,7 +249,9 @@ def read_lightning_yaml(data: dict, source: str) -> LightningYaml:
         flag = parser.instantiate(parsed)
     try:
         built, precision = _trainer_precision(parsed.trainer, flag, notes)
-        config = config_for_precision(built.overlap_config, precision)  # what setup_environment does
+        # what setup_environment does: the mesh from sharding_strategy / device_mesh and the
+        # trainer's num_nodes / devices, then the dtypes from the precision flag
+        config = config_for_precision(built._config_with_mesh(), precision)
     except OverlapConfigError as exc:
         message = str(exc)
         if message.startswith(("precision=", "accelerator=", "devices=")):  # a Trainer argument itself

@@ -1,6 +1,9 @@
 """``Fabric(strategy="fsdp_overlap")``: the Fabric strategy.
 
 setup_environment   precision -> dtypes (checked), process group, data-parallel mesh
+                    (``mesh=``, or Lightning's ``sharding_strategy="HYBRID_SHARD"``:
+                    replicate over ``num_nodes``, shard over ``devices``, or
+                    ``device_mesh=(replicate, shard)``)
 setup_module        ``parallelize`` (plan, shard, compile in place), ``materialize``
                     on meta; ``fabric.setup(model, optimizer)`` re-points the
                     optimizer at the sharded parameters (an optimizer must not keep
@@ -86,6 +89,8 @@ class FabricStrategyMixin(StrategyBase):
         state_dict_type: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        sharding_strategy: str | None = None,
+        device_mesh: tuple[int, int] | None = None,
         bucket_plans: str | list | None = None,
         bucket_bytes: int | str | None = None,
         manual_bucketing: bool | None = None,
@@ -117,6 +122,7 @@ class FabricStrategyMixin(StrategyBase):
         self._user_config = build_config(config, overrides)
         self._config: OverlapConfig | None = None
         self.schedule_report: dict | None = None
+        self._init_mesh_arguments(sharding_strategy, device_mesh)
         self.schedule_metrics: dict[str, float] = {}
         self._parallelized: nn.Module | None = None
         super().__init__(  # type: ignore[call-arg]
@@ -132,11 +138,11 @@ class FabricStrategyMixin(StrategyBase):
     def _configure_launcher(self) -> None:
         # Called last while Fabric(...) is built, with the precision plugin attached: a
         # precision conflict fails there, before any process is launched.
-        config_for_precision(self._user_config, precision_of(self.precision))
+        config_for_precision(self._config_with_mesh(), precision_of(self.precision))
         super()._configure_launcher()  # type: ignore[misc]
 
     def setup_environment(self) -> None:
-        self._config = config_for_precision(self._user_config, precision_of(self.precision))
+        self._config = config_for_precision(self._config_with_mesh(), precision_of(self.precision))
         align_autocast_device(self.precision, self.root_device)
         # Not ModelParallelStrategy.setup_environment: its (data, tensor) mesh is not ours.
         self.accelerator.setup_device(self.root_device)

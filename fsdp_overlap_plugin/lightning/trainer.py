@@ -78,6 +78,13 @@ class TrainerStrategyMixin(StrategyBase):
         process_group_backend: overrides the backend (default: nccl / hccl / gloo for
             cuda / npu / cpu).
         timeout: process-group timeout.
+        sharding_strategy: Lightning ``FSDPStrategy``'s spelling of the mesh:
+            ``"HYBRID_SHARD"`` replicates over the nodes and shards within each
+            (``mesh: {replicate: num_nodes, shard: devices}``); ``"FULL_SHARD"`` shards
+            over every rank (``replicate: 1``, the default). Others are an error.
+        device_mesh: ``(replicate, shard)``, as Lightning ``FSDPStrategy`` takes it for
+            HSDP: ``mesh: {replicate: R, shard: S}``. ``mesh=`` given too must say the
+            same (an error names both).
         bucket_plans ... separate_gather_group: any ``OverlapConfig`` key; a value left
             at None keeps the one from ``config`` (or the default).
 
@@ -86,11 +93,12 @@ class TrainerStrategyMixin(StrategyBase):
     bf16 shards, bf16 reduce; ``"32-true"``: fp32). A dtype set in the config wins if
     it is compatible with the precision and is an error if it contradicts it.
 
-    Gradient accumulation: the reduce-scatter of each gradient is part of the compiled
-    backward graph, so every micro-batch reduces its gradients (as FSDP2 does unless
-    told otherwise); the reduced, sharded gradients accumulate in ``param.grad``. The
-    result equals one reduction per optimizer step; the cost is one reduce-scatter per
-    micro-batch, and gradient memory stays sharded.
+    Gradient accumulation (``accumulate_grad_batches``): the reduce-scatter of each
+    gradient is part of the compiled backward graph, so every micro-batch reduces its
+    gradients over the shard group; the sharded gradients accumulate in ``param.grad``.
+    On HSDP (``mesh.replicate > 1``) the micro-batches that accumulate skip the
+    all-reduce across replicas, and the last one all-reduces the accumulated sum
+    (``block_backward_sync``, ``accumulation.py``). The result equals one large batch.
     """
 
     _lightning_package = "lightning.pytorch"
@@ -104,6 +112,8 @@ class TrainerStrategyMixin(StrategyBase):
         state_dict_type: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        sharding_strategy: str | None = None,
+        device_mesh: tuple[int, int] | None = None,
         bucket_plans: str | list | None = None,
         bucket_bytes: int | str | None = None,
         manual_bucketing: bool | None = None,
@@ -135,6 +145,7 @@ class TrainerStrategyMixin(StrategyBase):
         self._user_config = build_config(config, overrides)  # a wrong key fails here, at Trainer(...)
         self._config: OverlapConfig | None = None
         self._module_spec = module
+        self._init_mesh_arguments(sharding_strategy, device_mesh)
         self._parallelized: nn.Module | None = None
         self.schedule_report: dict | None = None
         super().__init__(  # type: ignore[call-arg]
@@ -150,12 +161,12 @@ class TrainerStrategyMixin(StrategyBase):
         # The last hook Lightning calls while building the Trainer, after the precision
         # plugin is attached: a precision conflict fails at Trainer(...), before any
         # process is launched.
-        config_for_precision(self._user_config, precision_of(self.precision_plugin))
+        config_for_precision(self._config_with_mesh(), precision_of(self.precision_plugin))
         super()._configure_launcher()  # type: ignore[misc]
 
     def setup_environment(self) -> None:
         # Pure checks first: a precision conflict fails on every rank before any collective.
-        self._config = config_for_precision(self._user_config, precision_of(self.precision_plugin))
+        self._config = config_for_precision(self._config_with_mesh(), precision_of(self.precision_plugin))
         self._align_precision_device()
         self._setup_distributed()  # device, seed, ranks, process group
         install_excepthook()  # outermost again, over init_process_group's (messages.py)
