@@ -576,6 +576,25 @@ def as_run(events: list[dict], device_type: str | None) -> list[dict]:
     return [dict(ev, op="all_reduce") if ev["op"] == "reduce_scatter" else ev for ev in events]
 
 
+def hsdp_lanes(events: list[dict], mesh: list[int]) -> list[dict]:
+    """A recorded schedule on the lanes of its mesh: on HSDP (``mesh`` = [replicas, shard],
+    replicas > 1) every all-reduce is the replicas' (the graph all-reduces nothing else)
+    and goes to the ``inter`` lane over ``replicas`` ranks; every other collective to the
+    shard link over ``shard`` ranks; an event's own ``lane`` decides where it has one. A 1-D
+    mesh's events come back as they are."""
+    if len(mesh) != 2 or mesh[0] <= 1:
+        return events
+    replicas, shard = mesh
+    out = []
+    for ev in events:
+        if ev["op"] in ("compute", "wait"):
+            out.append(ev)
+        else:
+            lane = ev.get("lane") or ("inter" if ev["op"] == "all_reduce" else "link")
+            out.append(dict(ev, lane=lane, ranks=replicas if lane == "inter" else shard))
+    return out
+
+
 def report_rates(report: dict) -> dict:
     """The rates a report's predictions use: what it recorded (its hardware and compute
     profile settings), else the device type's default."""
@@ -585,12 +604,15 @@ def report_rates(report: dict) -> dict:
 def predicted(report: dict, rates: dict | None = None) -> dict:
     """Predicted total and exposed-communication seconds per kind of graph, before/after
     the passes: the sum over that kind's training graphs that run now (one, without graph
-    breaks; the latest compile when a new sequence length compiled the forward again)."""
+    breaks; the latest compile when a new sequence length compiled the forward again). On
+    HSDP the replica all-reduces run on the link between replicas (``hsdp_lanes``)."""
     rates = rates or report_rates(report)
     keys = ("total_s", "exposed_comm_s", "comm_s", "compute_s")
     out: dict = {}
     running = current(report.get("graphs") or [], (report.get("config") or {}).get("fullgraph", True))
     device = report.get("device_type")
+    mesh = list(report.get("mesh") or [report["world_size"]])
+    shard = mesh[-1]  # the ranks of a shard group: the world on a 1-D mesh
     for kind in KINDS:
         records = [r for r in running if r["graph"] == kind and not r.get("inference") and "schedule" in r]
         if not records and (report.get(kind) or {}).get("schedule"):
@@ -600,7 +622,7 @@ def predicted(report: dict, rates: dict | None = None) -> dict:
         out[kind] = {}
         for phase in ("before", "after"):
             sims = [
-                simulate(as_run(r["schedule"][phase], device), world=report["world_size"], **rates) for r in records
+                simulate(as_run(hsdp_lanes(r["schedule"][phase], mesh), device), world=shard, **rates) for r in records
             ]
             out[kind][phase] = {k: round(sum(sim[k] for sim in sims), 6) for k in keys}
     return out
@@ -623,8 +645,9 @@ def draw_timeline(report: dict, path: str, rates: dict | None = None) -> str:
     if not rows:
         raise ValueError("the report has no recorded schedules (run a training step first)")
     device = report.get("device_type")
+    mesh = list(report.get("mesh") or [report["world_size"]])
     sims = {
-        row: simulate(as_run(report[row[0]]["schedule"][row[1]], device), world=report["world_size"], **rates)
+        row: simulate(as_run(hsdp_lanes(report[row[0]]["schedule"][row[1]], mesh), device), world=mesh[-1], **rates)
         for row in rows
     }
     horizon = max(s["total_s"] for s in sims.values()) or 1.0

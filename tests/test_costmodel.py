@@ -233,3 +233,39 @@ def test_prediction_settings_leave_the_rank_agreement_and_caches_alone(tmp_path)
     assert plain.uuid() == ranks[0].uuid() == ranks[1].uuid()
     assert plain.cache_key() == ranks[0].cache_key()
     assert state(prefetch_depth=2).uuid() != plain.uuid()  # a key the passes read still counts
+
+
+def test_the_report_plays_hsdp_all_reduces_on_the_link_between_replicas():
+    """A report of a 2 x 2 mesh: its all-reduces take the inter-node rate over 2 replicas,
+    its reduce-scatters the shard link over 2 ranks; a 1-D report ignores inter_link."""
+    from fsdp_overlap_plugin.costmodel import hsdp_lanes, predicted
+
+    events = [
+        {"op": "compute", "name": "mm", "flops": 1e9, "bytes": 0},
+        {"op": "reduce_scatter", "name": "rs", "bytes": 8e6, "bucket": 0},
+        {"op": "wait", "name": "w_rs", "of": "rs"},
+        {"op": "all_reduce", "name": "ar", "bytes": 4e6, "bucket": 0},
+        {"op": "wait", "name": "w_ar", "of": "ar"},
+    ]
+    lanes = hsdp_lanes(events, [2, 2])
+    assert [(e.get("lane"), e.get("ranks")) for e in lanes] == [
+        (None, None),
+        ("link", 2),
+        (None, None),
+        ("inter", 2),
+        (None, None),
+    ]
+    assert hsdp_lanes(events, [1, 4]) is events and hsdp_lanes(events, [4]) is events
+
+    def report(mesh):
+        record = {"graph": "backward", "schedule": {"before": events, "after": events}}
+        return {"graphs": [record], "mesh": mesh, "world_size": 4, "device_type": "cuda", "config": {}}
+
+    fast = {"link": 1e10, "inter_link": 1e10, "flops": 1e12, "mem": 1e12, "latency": 0.0}
+    slow = dict(fast, inter_link=1e8)
+    hsdp_fast = predicted(report([2, 2]), fast)["backward"]["after"]["comm_s"]
+    hsdp_slow = predicted(report([2, 2]), slow)["backward"]["after"]["comm_s"]
+    # the all-reduce's 4 MB over 2 replicas at 100 MB/s: twice its bytes x (n-1)/n = 40 ms more
+    assert hsdp_slow - hsdp_fast == pytest.approx(2 * 4e6 * 0.5 * (1 / 1e8 - 1 / 1e10), rel=1e-6)
+    flat = predicted(report([4]), slow)["backward"]["after"]["comm_s"]
+    assert flat == predicted(report([4]), fast)["backward"]["after"]["comm_s"]
