@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -145,53 +144,27 @@ class Namespaces:
 
 
 def run_workers(worker_args: list[str], out_dir: Path, timeout: float, use_netns: bool) -> list[dict]:
-    """This script's ``--worker`` as ranks 0-3 (two per namespace, or all on loopback);
-    their ``rank<r>.json`` back, or SystemExit with the tails of their logs."""
-    port = PORT if use_netns else step_time._free_port()
-    procs = []
-    for rank in range(WORLD):
-        node = node_of(rank)
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            MASTER_ADDR=ADDRS[0] if use_netns else "127.0.0.1",
-            MASTER_PORT=port,
-            GLOO_SOCKET_IFNAME=VETH[node] if use_netns else "lo",
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            TORCHINDUCTOR_COMPILE_THREADS="1",  # four ranks on few cores: no compile pools
-            MALLOC_MMAP_THRESHOLD_=str(step_time.MMAP_THRESHOLD),
-        )
-        cmd = [sys.executable, __file__, "--worker", "--out-dir", str(out_dir), *worker_args]
-        if use_netns:
-            cmd = ["ip", "netns", "exec", NETNS[node], *cmd]
-        log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.time() + timeout
-    failed = None
-    try:
-        while any(p.poll() is None for p, _ in procs):
-            if time.time() > deadline:
-                failed = f"timed out after {timeout:.0f} s"
-                break
-            if any(p.poll() not in (None, 0) for p, _ in procs):
-                failed = "a rank failed"
-                break
-            time.sleep(0.5)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            log.close()
-    if failed or any(p.returncode != 0 for p, _ in procs):
-        tails = "\n".join(f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
-        raise SystemExit(f"hsdp_step {failed or 'failed'}:\n{tails}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    """This script's ``--worker`` as ranks 0-3 (two per namespace, or all on loopback):
+    step_time's launcher with this script's namespaces; their ``rank<r>.json`` back, or
+    SystemExit with the tails of their logs."""
+    env = {
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",  # four ranks on few cores: no compile pools
+        "MALLOC_MMAP_THRESHOLD_": str(step_time.MMAP_THRESHOLD),
+    }
+    return step_time.run_workers(
+        __file__,
+        worker_args,
+        out_dir,
+        timeout,
+        use_netns,
+        env,
+        "hsdp_step",
+        nodes=[node_of(rank) for rank in range(WORLD)],
+        netns=NETNS,
+        veth=VETH,
+        master_addr=ADDRS[0],
+        port=PORT,
+    )
 
 
 # ---------------------------------------------------------------------------- prediction

@@ -360,26 +360,37 @@ def run_workers(
     use_netns: bool = False,
     env_extra: dict | None = None,
     what: str = "benchmark",
+    *,
+    nodes: list[int] | None = None,
+    netns: tuple[str, ...] = NETNS,
+    veth: tuple[str, ...] = VETH,
+    master_addr: str = ADDRS[0],
+    port: str = "29631",
 ) -> list[dict]:
     """``script --worker`` as ranks 0 and 1 (in the namespaces, or on loopback); their
-    ``rank<r>.json`` back, or SystemExit with the tails of their logs."""
-    port = "29631" if use_netns else _free_port()  # loopback is shared with whatever else runs here
+    ``rank<r>.json`` back, or SystemExit with the tails of their logs. ``nodes``: the
+    namespace index of each rank, one per rank (default: rank r in namespace r), with
+    ``netns`` / ``veth`` / ``master_addr`` / ``port`` for another script's namespaces
+    (hsdp_step.py: 4 ranks, two per namespace)."""
+    nodes = list(range(2)) if nodes is None else nodes
+    world = len(nodes)
+    port = port if use_netns else _free_port()  # loopback is shared with whatever else runs here
     procs = []
-    for rank in range(2):
+    for rank, node in enumerate(nodes):
         env = dict(os.environ)
         env.update(
             RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR=ADDRS[0] if use_netns else "127.0.0.1",
+            WORLD_SIZE=str(world),
+            MASTER_ADDR=master_addr if use_netns else "127.0.0.1",
             MASTER_PORT=port,
-            GLOO_SOCKET_IFNAME=VETH[rank] if use_netns else "lo",
+            GLOO_SOCKET_IFNAME=veth[node] if use_netns else "lo",
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
             **(env_extra or {}),
         )
         cmd = [sys.executable, script, "--worker", "--out-dir", str(out_dir), *worker_args]
         if use_netns:
-            cmd = ["ip", "netns", "exec", NETNS[rank], *cmd]
+            cmd = ["ip", "netns", "exec", netns[node], *cmd]
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.time() + timeout
@@ -403,9 +414,9 @@ def run_workers(
                     p.kill()
             log.close()
     if failed or any(p.returncode != 0 for p, _ in procs):
-        tails = "\n".join(f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+        tails = "\n".join(f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text()[-3000:] for r in range(world))
         raise SystemExit(f"{what} {failed or 'failed'}:\n{tails}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def summarize(results: list[dict], rate_bps: float | None) -> dict:
