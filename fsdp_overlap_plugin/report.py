@@ -328,23 +328,42 @@ def _rates_origin(report: dict, cost: dict) -> str:
     return "; ".join(parts)
 
 
+def _replica_all_reduces_behind(backward: dict) -> int | None:
+    """How many replica all-reduces of the backward's schedule (after the passes) are
+    waited only after the next one has launched, i.e. run behind the next buckets'
+    backward; None without a recorded schedule."""
+    events = (backward.get("schedule") or {}).get("after")
+    if not events:
+        return None
+    at = {e["name"]: i for i, e in enumerate(events) if e["op"] != "wait"}
+    waits = {e["of"]: i for i, e in enumerate(events) if e["op"] == "wait"}
+    launched = [e["name"] for e in events if e["op"] == "all_reduce"]
+    return sum(1 for ar, nxt in zip(launched, launched[1:]) if waits.get(ar, -1) > at[nxt])
+
+
 def _hsdp_words(mesh: list[int], backward: dict, passes: dict) -> str:
     """HSDP in one line: what each of the two groups carries, and what the replica
-    all-reduces overlap with."""
+    all-reduces overlap with (counted on the schedule: waited after the next launch)."""
     buckets = backward["after"].get("all_reduce", 0)
-    deferred = ((backward.get("passes") or {}).get("manual_bucketing") or {}).get("deferred_ar_waits", 0)
+    behind = _replica_all_reduces_behind(backward)
+    if behind is None:  # a report without schedules: what the bucketing moved
+        behind = ((backward.get("passes") or {}).get("manual_bucketing") or {}).get("deferred_ar_waits", 0)
     words = (
         f"  groups: each rank shards with {mesh[1]} ranks (parameter gathers and gradient reduce-scatters) and "
         f"is one of {mesh[0]} replicas, which all-reduce only their gradient shards ({buckets} all-reduces, "
         "the traffic between nodes): "
     )
-    if deferred:
+    if behind:
+        rest = "" if behind >= buckets - 1 else "; the others are waited before the next one starts"
         return words + (
-            f"each bucket's all-reduce starts when its reduce-scatter is done and {deferred} of {buckets} run behind "
-            "the next buckets' backward"
+            f"each bucket's all-reduce starts when its reduce-scatter is done and {behind} of {buckets} run behind "
+            f"the next buckets' backward{rest}"
         )
-    why = "bucketing is off" if not passes.get("manual_bucketing") else "one bucket has no next bucket to run behind"
-    return words + f"each is waited at once ({why})"
+    if not passes.get("manual_bucketing"):
+        return words + "each is waited at once (bucketing is off)"
+    if buckets <= 1:
+        return words + "each is waited at once (one bucket has no next bucket to run behind)"
+    return words + "each is waited before the next one starts"
 
 
 def headline(report: dict[str, Any]) -> list[str]:

@@ -120,19 +120,36 @@ def test_all_reduces_appear_when_there_are_some(llama_report):
     assert headline(report)[0].startswith("fsdp-overlap summary: 4 ranks (2 replicas of 2 shards), compiled")
     report["backward"]["before"]["all_reduce"], report["backward"]["after"]["all_reduce"] = 21, 4
     assert "; backward 21 -> 4 all-reduces" in "\n".join(headline(report))
-    # both groups, and what the replica all-reduces overlap with
-    report["backward"]["passes"]["manual_bucketing"]["deferred_ar_waits"] = 3
-    groups = [line for line in headline(report) if line.startswith("  groups: ")]
-    assert groups == [
+
+    # both groups, and what the replica all-reduces overlap with, counted on the schedule:
+    # an all-reduce waited after the next one's launch runs behind that bucket's backward
+    def schedule(waited_late: list[bool]) -> list[dict]:
+        events = []
+        for i, late in enumerate(waited_late):
+            events += [{"op": "compute", "name": f"mm{i}"}, {"op": "all_reduce", "name": f"ar{i}", "bucket": i}]
+            if i and waited_late[i - 1]:
+                events.append({"op": "wait", "name": f"w{i - 1}", "of": f"ar{i - 1}"})
+            if not late:
+                events.append({"op": "wait", "name": f"w{i}", "of": f"ar{i}"})
+        return events
+
+    def groups() -> list[str]:
+        return [line for line in headline(report) if line.startswith("  groups: ")]
+
+    report["backward"]["schedule"]["after"] = schedule([True, True, True, False])
+    assert groups() == [
         "  groups: each rank shards with 2 ranks (parameter gathers and gradient reduce-scatters) and is one of "
         "2 replicas, which all-reduce only their gradient shards (4 all-reduces, the traffic between nodes): each "
         "bucket's all-reduce starts when its reduce-scatter is done and 3 of 4 run behind the next buckets' backward"
-    ], groups
-    report["backward"]["passes"]["manual_bucketing"]["deferred_ar_waits"] = 0
+    ], groups()
+    report["backward"]["schedule"]["after"] = schedule([False, True, False, False])
+    assert groups()[0].endswith(
+        "1 of 4 run behind the next buckets' backward; the others are waited before the next one starts"
+    ), groups()
+    report["backward"]["schedule"]["after"] = schedule([False] * 4)
+    assert groups()[0].endswith("each is waited before the next one starts"), groups()
     report["passes"]["manual_bucketing"] = False
-    assert [line for line in headline(report) if line.startswith("  groups: ")][0].endswith(
-        "each is waited at once (bucketing is off)"
-    )
+    assert groups()[0].endswith("each is waited at once (bucketing is off)"), groups()
     report["mesh"], report["world_size"] = [1, 2], 2  # one replica: no groups line
     assert not [line for line in headline(report) if line.startswith("  groups: ")]
 
