@@ -32,8 +32,8 @@ from transformers import AutoConfig
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.accelerate import config_source, prepare  # import before Accelerator(): see docs/accelerate.md
-from fsdp_overlap_plugin.hf import load_config, model_from_config
 from fsdp_overlap_plugin.models import TINY_LLAMA, counting_sequences
+from fsdp_overlap_plugin.shard.hf import load_config, model_from_config
 
 # ---- settings (nanoGPT style: edit here) -------------------------------------------
 STEPS = 8

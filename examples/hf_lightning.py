@@ -40,9 +40,9 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_overlap_plugin as fo  # registers strategy="fsdp_overlap"
-from fsdp_overlap_plugin.hf import load_config, model_from_config
 from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
 from fsdp_overlap_plugin.models import TINY_LLAMA, counting_sequences
+from fsdp_overlap_plugin.shard.hf import load_config, model_from_config
 
 # ---- settings (nanoGPT style: edit here) -------------------------------------------
 STEPS = 8

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.checkpoint import load_latest, save
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+from fsdp_overlap_plugin.shard.checkpoint import load_latest, save
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--dir", required=True, help="checkpoint directory")

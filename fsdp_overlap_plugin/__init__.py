@@ -4,15 +4,15 @@ communication behind compute. Public API only; see docs/architecture.md."""
 from __future__ import annotations
 
 from ._version import __version__, check_torch_version
-from .accelerators import init_process_group
-from .config import MeshConfig, OverlapConfig, OverlapConfigError
-from .export import full_state_dict, save_pretrained
-from .initialize import UninitializedWarning, materialize
+from .config.plan import PlanWarning, auto_plan, resolve_plan
+from .config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from .parallelize import parallelize
-from .plan import PlanWarning, auto_plan, resolve_plan
-from .report import format_report, schedule_report
-from .sharding import gather_disabled
-from .weights import load_pretrained
+from .report.schedule import format_report, schedule_report
+from .runtime.devices import init_process_group
+from .shard.export import full_state_dict, save_pretrained
+from .shard.initialize import UninitializedWarning, materialize
+from .shard.sharding import gather_disabled
+from .shard.weights import load_pretrained
 
 check_torch_version()
 

@@ -334,6 +334,6 @@ def patch_optimizer_state_dict(model: Any, optimizer: Any, options: Any) -> None
         raise _missing(
             "torch.distributed.checkpoint.state_dict._patch_optimizer_state_dict",
             "Accelerate's save_state/load_state of an fsdp-overlap model",
-            "Save with fsdp_overlap_plugin.checkpoint instead.",
+            "Save with fsdp_overlap_plugin.shard.checkpoint instead.",
         )
     patch(model, optimizers=(optimizer,), options=options)

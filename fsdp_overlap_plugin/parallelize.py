@@ -8,16 +8,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import accelerators, accumulation, hf
-from .activation_checkpointing import apply_activation_checkpointing
-from .config import OverlapConfig, OverlapConfigError
-from .exchange import build_receive_first_group, exchanges_run
-from .export import install_save_pretrained
-from .messages import install_excepthook
-from .passes.plan_index import BucketIndex
-from .preflight import preflight
-from .sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
-from .state import _STATE_ATTR, OverlapState, local_layout, model_fingerprint
+from .config.schema import OverlapConfig, OverlapConfigError
+from .contract import BucketIndex
+from .report.messages import install_excepthook
+from .runtime import accumulation, devices
+from .runtime.exchange import build_receive_first_group, exchanges_run
+from .runtime.state import _STATE_ATTR, OverlapState, local_layout, model_fingerprint
+from .shard import hf
+from .shard.activation_checkpointing import apply_activation_checkpointing
+from .shard.export import install_save_pretrained
+from .shard.preflight import preflight
+from .shard.sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
 
 __all__ = ["parallelize", "unbucketed_parameters"]
 
@@ -79,15 +80,15 @@ def parallelize(
     checked = preflight(model, config)
     plan, checkpointed = checked.plan, checked.checkpointed
     if mesh is None:
-        device_type = accelerators.detect_device_type()
+        device_type = devices.detect_device_type()
         mesh = build_mesh(config, device_type)
     elif mesh.ndim not in (1, 2):
         raise OverlapConfigError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D.")
     device_type = mesh.device_type
-    if accelerators.backend_for(device_type) == "gloo":
-        accelerators.settle_gloo_workers_at_exit()  # a torch bug at exit (its docstring)
+    if devices.backend_for(device_type) == "gloo":
+        devices.settle_gloo_workers_at_exit()  # a torch bug at exit (its docstring)
     if device_type != "cpu" and not _on_meta(model):
-        model.to(accelerators.device_for_rank(device_type))
+        model.to(devices.device_for_rank(device_type))
     entries = parameter_entries(model, plan)
     state = OverlapState(
         config=config,
@@ -104,9 +105,9 @@ def parallelize(
         param_entries=entries,
     )
     state.adjustments.extend(checked.notes)
-    state.reduce_scatter_impl, state.reduce_scatter_reason = accelerators.reduce_scatter_choice(
+    state.reduce_scatter_impl, state.reduce_scatter_reason = devices.reduce_scatter_choice(
         config.reduce_scatter_impl,
-        accelerators.backend_for(device_type),
+        devices.backend_for(device_type),
         mesh.shape[-1],
         compiled=config.compile,
     )
@@ -128,7 +129,7 @@ def parallelize(
         # imported only to compile (as inductor_passes is only to compile with inductor):
         # `import fsdp_overlap_plugin`, the report, the adapters and compile: false never
         # load the compile wiring
-        from .compile import compile_model
+        from .compile.compiler import compile_model
 
         compile_model(model, state)
         gather = next(m._fsdp_overlap_gather for m in model.modules() if hasattr(m, "_fsdp_overlap_gather"))
@@ -148,7 +149,7 @@ def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
     threads and where a second connection only splits the link."""
     if config.separate_gather_group is not None:
         return config.separate_gather_group
-    return accelerators.backend_for(device_type) in ("nccl", "hccl")
+    return devices.backend_for(device_type) in ("nccl", "hccl")
 
 
 def _on_meta(model: nn.Module) -> bool:

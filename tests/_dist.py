@@ -241,7 +241,7 @@ def _worker(
     torch.set_num_threads(1)
     # the ranks of tests that never call parallelize (which registers it) get the plugin's
     # exit hook too: torch's gloo abort at exit is not what those tests test
-    from fsdp_overlap_plugin.accelerators import settle_gloo_workers_at_exit
+    from fsdp_overlap_plugin.runtime.devices import settle_gloo_workers_at_exit
 
     settle_gloo_workers_at_exit()
     try:

@@ -12,7 +12,7 @@ import torch._dynamo
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import fsdp_overlap_plugin.compile as fo_compile
+import fsdp_overlap_plugin.compile.compiler as fo_compile
 
 
 @contextlib.contextmanager

@@ -83,7 +83,7 @@ def _fresh_accelerator(fsdp: bool):
 @contextlib.contextmanager
 def _counting_gathers():
     """Count the all-gathers the parameters' gathering property runs inside the block."""
-    from fsdp_overlap_plugin import sharding
+    from fsdp_overlap_plugin.shard import sharding
 
     count = [0]
     library = sharding._Gather._gather
@@ -164,7 +164,7 @@ def _export(accelerator, model, directory: str) -> dict:
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor
 
-    from fsdp_overlap_plugin.sharding import gather_disabled
+    from fsdp_overlap_plugin.shard.sharding import gather_disabled
 
     state = accelerator.get_state_dict(model)
     accelerator.save_model(model, directory)

@@ -9,29 +9,29 @@ import torch
 from _dist import free_port, run_isolated
 from _fake_npu import install_fake_torch_npu
 
-from fsdp_overlap_plugin import accelerators
+from fsdp_overlap_plugin.runtime import devices
 
 
 def test_backend_map():
-    assert accelerators.backend_for("cuda") == "nccl"
-    assert accelerators.backend_for("npu") == "hccl"
-    assert accelerators.backend_for("cpu") == "gloo"
+    assert devices.backend_for("cuda") == "nccl"
+    assert devices.backend_for("npu") == "hccl"
+    assert devices.backend_for("cpu") == "gloo"
     with pytest.raises(ValueError, match="valid: cuda, npu, cpu"):
-        accelerators.backend_for("tpu")
+        devices.backend_for("tpu")
 
 
 def test_cpu_machine_detects_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails
-    assert accelerators.detect_device_type() == "cpu"
-    info = accelerators.current()
+    assert devices.detect_device_type() == "cpu"
+    info = devices.current()
     assert (info.device_type, info.backend, info.device) == ("cpu", "gloo", torch.device("cpu"))
 
 
 def test_requested_but_missing_device_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="'cuda' was requested but is not available"):
-        accelerators.detect_device_type("cuda")
+        devices.detect_device_type("cuda")
 
 
 def _npu_decisions() -> dict:
@@ -39,11 +39,11 @@ def _npu_decisions() -> dict:
 
     npu = install_fake_torch_npu(count=4)
     os.environ["LOCAL_RANK"] = "5"
-    info = accelerators.current()
-    accelerators.set_device(info.device)
+    info = devices.current()
+    devices.set_device(info.device)
     chosen = (info.device_type, info.backend, str(info.device), str(npu.current))
     npu.count = 0
-    return {"chosen": chosen, "without_devices": accelerators.detect_device_type()}
+    return {"chosen": chosen, "without_devices": devices.detect_device_type()}
 
 
 def test_npu_selects_hccl_and_device_per_local_rank():
@@ -69,7 +69,7 @@ def _exit_hooks_after_parallelize() -> tuple[int, int, int]:
     parallelize(gpt_small(n_layer=1), compile=False)
     first = atexit._ncallbacks()
     parallelize(gpt_small(n_layer=1), compile=False)
-    accelerators.settle_gloo_workers_at_exit()
+    devices.settle_gloo_workers_at_exit()
     again = atexit._ncallbacks()
     dist.destroy_process_group()
     return before, first, again
@@ -99,6 +99,6 @@ def test_the_exit_hook_lets_a_thread_waiting_for_the_gil_run():
     thread = threading.Thread(target=worker)
     thread.start()
     started.wait()
-    accelerators._let_gloo_workers_finish()
+    devices._let_gloo_workers_finish()
     assert ran.is_set()
     thread.join()

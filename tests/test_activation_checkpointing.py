@@ -23,8 +23,8 @@ from _train import batches, full_params, local_slice, make_model, train_referenc
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin import OverlapConfigError
-from fsdp_overlap_plugin.memory import SavedActivations
 from fsdp_overlap_plugin.models import loss_fn
+from fsdp_overlap_plugin.runtime.memory import SavedActivations
 
 pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
 

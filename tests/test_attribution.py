@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 import fsdp_overlap_plugin as fo
 import fsdp_overlap_plugin.passes.bucketing as bucketing
-from fsdp_overlap_plugin.compile import UnbucketedError, UnbucketedWarning
+from fsdp_overlap_plugin.compile.compiler import UnbucketedError, UnbucketedWarning
 from fsdp_overlap_plugin.models import GPT, fixed_batches, gpt_small, loss_fn
 from fsdp_overlap_plugin.passes import manual_bucketing, overlap_grad_reduce
 from fsdp_overlap_plugin.passes.graph import (
@@ -92,7 +92,7 @@ class DecoratedGPT(GPT):
 @pytest.mark.parametrize("annotated", [True, False], ids=["parameter-annotation", "module-paths-only"])
 def test_forward_wrapped_by_an_args_decorator_gets_its_buckets(monkeypatch, annotated):
     if not annotated:  # a torch without fx annotations: the module paths alone must do
-        monkeypatch.setattr("fsdp_overlap_plugin.sharding._annotate", None)
+        monkeypatch.setattr("fsdp_overlap_plugin.shard.sharding._annotate", None)
     with fake_world(2):
         capture = GraphCapture(monkeypatch)
         torch.manual_seed(0)

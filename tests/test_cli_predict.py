@@ -13,13 +13,13 @@ import pytest
 import yaml
 from test_cli import ROOT, SMALL, run, run_json
 
-from fsdp_overlap_plugin import costmodel
 from fsdp_overlap_plugin.cli import load_model
 from fsdp_overlap_plugin.cli.analysis import SMALL_BUCKET_BYTES, bucket_rows
 from fsdp_overlap_plugin.cli.commands import cmd_check
 from fsdp_overlap_plugin.cli.predict import ROOT_NAME, bucket_costs
-from fsdp_overlap_plugin.config import OverlapConfig
-from fsdp_overlap_plugin.plan import resolve_plan
+from fsdp_overlap_plugin.config.plan import resolve_plan
+from fsdp_overlap_plugin.config.schema import OverlapConfig
+from fsdp_overlap_plugin.report import costmodel
 
 PLUGIN_YAML = str(ROOT / "configs" / "plugin.yaml")
 # gpt_1b's layer shapes with 8 blocks: suggest's candidates in a fraction of a second

@@ -37,7 +37,7 @@ import yaml
 from _fake import fake_world
 
 from fsdp_overlap_plugin.cli import main
-from fsdp_overlap_plugin.config import MAX_CONFIG_BYTES, OverlapConfigError
+from fsdp_overlap_plugin.config.schema import MAX_CONFIG_BYTES, OverlapConfigError
 from fsdp_overlap_plugin.models.gpt import gpt_small
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def _meta_gpt() -> torch.nn.Module:
 
 def run_plugin(path: Path) -> Outcome:
     from fsdp_overlap_plugin import parallelize
-    from fsdp_overlap_plugin.state import get_state
+    from fsdp_overlap_plugin.runtime.state import get_state
 
     model = parallelize(_meta_gpt(), str(path))
     state = get_state(model)
@@ -137,8 +137,8 @@ def run_plugin(path: Path) -> Outcome:
 def run_accelerate(path: Path) -> Outcome:
     from fsdp_overlap_plugin import parallelize
     from fsdp_overlap_plugin.accelerate.adapter import configure
-    from fsdp_overlap_plugin.sharding import build_mesh
-    from fsdp_overlap_plugin.state import get_state
+    from fsdp_overlap_plugin.runtime.state import get_state
+    from fsdp_overlap_plugin.shard.sharding import build_mesh
 
     model = _meta_gpt()
     # the worker's environment holds what accelerate launch exported: the file's values
@@ -156,7 +156,7 @@ def run_lightning(path: Path) -> Outcome:
         import lightning_gpt
     finally:
         sys.path.remove(str(ROOT / "examples"))
-    from fsdp_overlap_plugin.state import get_state
+    from fsdp_overlap_plugin.runtime.state import get_state
 
     err = io.StringIO()
     # no global seeding: LightningCLI's seed_everything would leave PL_GLOBAL_SEED in this

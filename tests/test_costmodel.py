@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from fsdp_overlap_plugin import costmodel as cm
-from fsdp_overlap_plugin.config import OverlapConfig, OverlapConfigError
+from fsdp_overlap_plugin.config.schema import OverlapConfig, OverlapConfigError
+from fsdp_overlap_plugin.report import costmodel as cm
 
 
 def test_every_preset_says_where_its_numbers_come_from():
@@ -217,7 +217,7 @@ def test_prediction_settings_leave_the_rank_agreement_and_caches_alone(tmp_path)
     profile paths (a node-local file, say) must agree on ``uuid()``, or each would wait for
     the other under its own agreement key until rank_check_timeout (CI found this with a
     path per rank), and changing the hardware must not invalidate the compile caches."""
-    from fsdp_overlap_plugin.state import OverlapState
+    from fsdp_overlap_plugin.runtime.state import OverlapState
 
     paths = []
     for rank in (0, 1):
@@ -238,7 +238,7 @@ def test_prediction_settings_leave_the_rank_agreement_and_caches_alone(tmp_path)
 def test_the_report_plays_hsdp_all_reduces_on_the_link_between_replicas():
     """A report of a 2 x 2 mesh: its all-reduces take the inter-node rate over 2 replicas,
     its reduce-scatters the shard link over 2 ranks; a 1-D report ignores inter_link."""
-    from fsdp_overlap_plugin.costmodel import hsdp_lanes, predicted
+    from fsdp_overlap_plugin.report.costmodel import hsdp_lanes, predicted
 
     events = [
         {"op": "compute", "name": "mm", "flops": 1e9, "bytes": 0},

@@ -262,7 +262,7 @@ def test_another_thread_crashing_while_main_runs_package_code_is_a_native_crash(
 
 def test_only_the_current_threads_frames_decide():
     package = os.path.dirname(_dist._package_dir())
-    ours = f'  File "{package}/fsdp_overlap_plugin/compile.py", line 9 in run_passes'
+    ours = f'  File "{package}/fsdp_overlap_plugin/compile/compiler.py", line 9 in run_passes'
     theirs = '  File "/usr/lib/python3.11/threading.py", line 327 in wait'
     log = "\n".join(
         [

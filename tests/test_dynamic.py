@@ -20,7 +20,7 @@ import torch
 from _dist import run_ranks
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.config import OverlapConfig, OverlapConfigError
+from fsdp_overlap_plugin.config.schema import OverlapConfig, OverlapConfigError
 from fsdp_overlap_plugin.models import gpt_small, loss_fn
 
 pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
@@ -79,7 +79,7 @@ def _train(rank: int, world: int, kind: str, backend: str, config: dict, own: bo
     own batches instead (``_own_batches``)."""
     import torch.distributed as dist
 
-    from fsdp_overlap_plugin.state import get_state
+    from fsdp_overlap_plugin.runtime.state import get_state
 
     torch._dynamo.reset()
     model = _model(kind)
@@ -280,7 +280,7 @@ def test_a_different_model_on_one_rank_still_stops_every_rank_with_symbolic_size
 
 
 def _generate(rank: int, world: int, backend: str) -> dict:
-    from fsdp_overlap_plugin.state import get_state
+    from fsdp_overlap_plugin.runtime.state import get_state
 
     torch._dynamo.reset()
     model = _model("llama")

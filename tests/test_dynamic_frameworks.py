@@ -35,11 +35,11 @@ from torch.utils.data import DataLoader
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.accelerate import load_config
-from fsdp_overlap_plugin.compile import RecompileLimitError
-from fsdp_overlap_plugin.config import OverlapConfigError
+from fsdp_overlap_plugin.compile.compiler import RecompileLimitError
+from fsdp_overlap_plugin.config.schema import OverlapConfigError
 from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
 from fsdp_overlap_plugin.lightning.config import read_lightning_yaml
-from fsdp_overlap_plugin.state import get_state
+from fsdp_overlap_plugin.runtime.state import get_state
 
 # tests/fixtures/dynamic_data.py, shared with the launch script (by path: a package named
 # ``fixtures`` on PyPI, testtools' dependency, would win over a namespace import)

@@ -19,7 +19,7 @@ from _accelerate import OVERLAP_YAML, accelerate_launch, launch_env, output
 from _lightning import trainer_script
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.messages import CONFIG_ERROR_EXIT, is_config_error
+from fsdp_overlap_plugin.report.messages import CONFIG_ERROR_EXIT, is_config_error
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 MISSPELT = "pattern 'blokcs.*' matches no module"

@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from test_cli import run, run_json
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin import export
-from fsdp_overlap_plugin.config import OverlapConfigError
+from fsdp_overlap_plugin.config.schema import OverlapConfigError
+from fsdp_overlap_plugin.shard import export
 
 pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
 
@@ -232,8 +232,8 @@ def _checkpoints(tmp_path: Path, model: nn.Module) -> dict[str, Path]:
     out = {}
     out["dcp"] = tmp_path / "dcp"  # dcp.save(model.state_dict()): torch's fully_shard users
     dcp.save(state, checkpoint_id=out["dcp"])
-    out["step"] = tmp_path / "run"  # fsdp_overlap_plugin.checkpoint.save
-    fo_checkpoint = __import__("fsdp_overlap_plugin.checkpoint", fromlist=["save"])
+    out["step"] = tmp_path / "run"  # fsdp_overlap_plugin.shard.checkpoint.save
+    fo_checkpoint = __import__("fsdp_overlap_plugin.shard.checkpoint", fromlist=["save"])
     fo_checkpoint.save(out["step"], model, torch.optim.SGD(model.parameters(), lr=0.1), step=3)
     lightning = {f"model.{k}": v for k, v in state.items()}  # a LightningModule's self.model
     out["lightning_dir"] = tmp_path / "lightning.ckpt"

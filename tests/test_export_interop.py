@@ -1,6 +1,6 @@
 """Checkpoints cross world sizes and frameworks, with equal parameters each way:
 
-* the plugin at 2 ranks writes ``fsdp_overlap_plugin.checkpoint.save``; the plugin loads it at
+* the plugin at 2 ranks writes ``fsdp_overlap_plugin.shard.checkpoint.save``; the plugin loads it at
   1 and at 4 ranks (``load_latest``), and so does torch's own ``fully_shard`` model at 4 ranks
   through torch's own API (``get_model_state_dict`` / ``dcp.load`` / ``set_model_state_dict``);
 * torch's ``fully_shard`` (per decoder layer, then the root) at 2 ranks writes
@@ -46,7 +46,7 @@ def _torch_fsdp2_model(seed: int):
 def _full(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from fsdp_overlap_plugin.sharding import gather_disabled
+    from fsdp_overlap_plugin.shard.sharding import gather_disabled
 
     with gather_disabled():
         state = model.state_dict()
@@ -65,7 +65,7 @@ def _write(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from fsdp_overlap_plugin import checkpoint
+    from fsdp_overlap_plugin.shard import checkpoint
 
     plugin = _plugin_model(seed=1)
     _train(plugin, rank, world)
@@ -87,7 +87,7 @@ def _torch_load(model, path: str) -> None:
 
 
 def _read(rank: int, world: int, root: str) -> dict:
-    from fsdp_overlap_plugin import checkpoint
+    from fsdp_overlap_plugin.shard import checkpoint
 
     out = {"world": world}
     plugin = _plugin_model(seed=7)  # other initial values: everything must come from the files

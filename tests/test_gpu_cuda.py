@@ -19,8 +19,8 @@ from _bucket_graphs import check_two_rank_graphs, two_rank_graphs
 from _cuda import gpu_check, nccl_world_of_one, requires_cuda
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin import accelerators
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+from fsdp_overlap_plugin.runtime import devices
 
 pytestmark = requires_cuda
 
@@ -43,7 +43,7 @@ def _train(model: torch.nn.Module, steps: int, batch: int = 4, seq: int = 32) ->
 
 
 def test_accelerators_choose_cuda_and_nccl():
-    info = accelerators.current()
+    info = devices.current()
     assert (info.device_type, info.backend, info.device) == ("cuda", "nccl", torch.device("cuda", 0))
 
 

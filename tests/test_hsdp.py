@@ -36,8 +36,8 @@ from _dist import run_ranks
 from _train import LR, SEQ, STEPS, batches, full_params, local_slice, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin import checkpoint
 from fsdp_overlap_plugin.models import fixed_batches, loss_fn
+from fsdp_overlap_plugin.shard import checkpoint
 
 pytestmark = pytest.mark.slow
 

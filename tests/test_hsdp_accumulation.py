@@ -54,7 +54,7 @@ def _backward_all_reduces(model) -> list[int]:
 
 
 def _deferred(model) -> int:
-    from fsdp_overlap_plugin.accumulation import replica_sync_of
+    from fsdp_overlap_plugin.runtime.accumulation import replica_sync_of
 
     return replica_sync_of(model).deferred_all_reduces
 

@@ -96,7 +96,7 @@ def test_native_reduce_scatter_stays_on_the_shard_link():
 
 
 def test_probe_rates_invert_the_link_time():
-    from fsdp_overlap_plugin.costmodel import _link_time
+    from fsdp_overlap_plugin.report.costmodel import _link_time
 
     probe = {"bytes": 4e6, "shard_all_to_all_s": 0.05, "replica_all_reduce_s": 0.4}
     rates = hsdp_step.probe_rates(probe, latency=0.002, send_first=2.0)

@@ -14,7 +14,7 @@ import yaml
 
 from fsdp_overlap_plugin import OverlapConfig, OverlapConfigError
 from fsdp_overlap_plugin.accelerate import load_config
-from fsdp_overlap_plugin.config import MeshConfig
+from fsdp_overlap_plugin.config.schema import MeshConfig
 from fsdp_overlap_plugin.lightning import FSDPOverlapFabricStrategy, FSDPOverlapStrategy
 from fsdp_overlap_plugin.lightning._common import resolve_mesh
 

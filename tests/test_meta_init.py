@@ -258,7 +258,7 @@ def _core_on_shards(rank: int, world: int) -> dict:
 def _core_loaded(rank: int, world: int, family: str, folder: str, data: list) -> dict:
     import torch._dynamo
 
-    from fsdp_overlap_plugin import weights
+    from fsdp_overlap_plugin.shard import weights
 
     torch._dynamo.reset()
     model = _meta(family)

@@ -131,9 +131,9 @@ def test_inductor_frees_dead_buffers_when_the_passes_are_on():
     kept a bucket's dead gradients alive across the next bucket's copy-out; with the
     passes on it is off, and so is the peak-memory reordering that would undo the
     prefetch order. Passes off: inductor's own settings."""
-    from fsdp_overlap_plugin.config import OverlapConfig
-    from fsdp_overlap_plugin.inductor_passes import inductor_options
-    from fsdp_overlap_plugin.state import OverlapState
+    from fsdp_overlap_plugin.compile.inductor import inductor_options
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
+    from fsdp_overlap_plugin.runtime.state import OverlapState
 
     def options(**overrides):
         config = OverlapConfig.coerce(None, backend="inductor", **overrides)
@@ -147,9 +147,9 @@ def test_inductor_frees_dead_buffers_when_the_passes_are_on():
 
 
 def test_the_wiring_runs_one_list_of_passes_each_where_it_applies():
-    from fsdp_overlap_plugin.compile import JOINT_PASSES, POST_GRAD_PASSES
-    from fsdp_overlap_plugin.config import OverlapConfig
-    from fsdp_overlap_plugin.state import OverlapState
+    from fsdp_overlap_plugin.compile.compiler import JOINT_PASSES, POST_GRAD_PASSES
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
+    from fsdp_overlap_plugin.runtime.state import OverlapState
 
     def state(**overrides):
         config = OverlapConfig.coerce(None, **overrides)
@@ -581,24 +581,17 @@ def test_reduce_scatter_as_all_to_all_computes_the_same(first):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_merged_all_gather_writes_this_ranks_shards_into_its_slot_of_the_output(rank):
-    """With a process group for the graph's group, a merged all-gather is FSDP2's: one
-    call of ``fsdp_overlap::fill_slot`` copies the shards into slot ``rank`` of a fresh
-    output buffer and the collective fills it in place (no separate input buffer alive
-    during the collective). The copy-in is not a barrier: the gradient pass still moves
-    reduce-scatters across it."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    """Given this process's rank in the graph's group (data, no process group), a merged
+    all-gather is FSDP2's: one call of ``fsdp_overlap::fill_slot`` copies the shards into
+    slot ``rank`` of a fresh output buffer and the collective fills it in place (no
+    separate input buffer alive during the collective). The copy-in is not a barrier:
+    the gradient pass still moves reduce-scatters across it."""
     from fsdp_overlap_plugin.passes.graph import is_barrier
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
-    try:
-        gm = fsdp_forward_graph(dtype=torch.float64)  # group "0": the fake default group
-        inputs = random_inputs(gm)  # float64, the dtype of the buffer the merge allocates
-        before = simulate(copy.deepcopy(gm), inputs)
-        manual_bucketing(gm, PLAN)
-    finally:
-        dist.destroy_process_group()
+    gm = fsdp_forward_graph(dtype=torch.float64)  # group "0"
+    inputs = random_inputs(gm)  # float64, the dtype of the buffer the merge allocates
+    before = simulate(copy.deepcopy(gm), inputs)
+    manual_bucketing(gm, PLAN, group_ranks={"0": rank})
     gathers = [n for n in gm.graph.nodes if is_all_gather(n)]
     assert len(gathers) == 4 and all(n.target is C10D.all_gather_into_tensor_out.default for n in gathers)
     total = 2 * 8 * 8 // 2  # two [8, 8] weights per block, half of each per rank

@@ -10,14 +10,14 @@ import torch
 import torch.nn as nn
 
 from fsdp_overlap_plugin import OverlapConfigError, PlanWarning, auto_plan, resolve_plan
-from fsdp_overlap_plugin.models import gpt_small
-from fsdp_overlap_plugin.plan import (
+from fsdp_overlap_plugin.config.plan import (
     DEFAULT_BUCKET_BYTES,
     auto_plan_info,
     expand_pattern,
     find_repeated_blocks,
     gather_bytes,
 )
+from fsdp_overlap_plugin.models import gpt_small
 
 
 def plan(model, plans):

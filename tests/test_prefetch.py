@@ -14,7 +14,7 @@ from test_passes import PLAN, sequence, simulate
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin import OverlapConfigError
 from fsdp_overlap_plugin.cli import main
-from fsdp_overlap_plugin.config import OverlapConfig
+from fsdp_overlap_plugin.config.schema import OverlapConfig
 from fsdp_overlap_plugin.passes import manual_bucketing
 from fsdp_overlap_plugin.passes.prefetch import kept_buckets, prefetch_plan
 from fsdp_overlap_plugin.testing import fsdp_backward_graph, fsdp_forward_graph, random_inputs

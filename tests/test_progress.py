@@ -17,7 +17,7 @@ from _accelerate import OVERLAP_YAML, accelerate_launch, launch_env, output
 from _dist import run_ranks
 from _lightning import trainer_script
 
-from fsdp_overlap_plugin.messages import PROGRESS_ENV, CompileProgress
+from fsdp_overlap_plugin.report.messages import PROGRESS_ENV, CompileProgress
 
 COMPILING = "fsdp-overlap: compiling the model (first step; later steps reuse it)..."
 COMPILED = re.compile(r"fsdp-overlap: compiled in \d+\.\d s \((.*)\)")
@@ -59,7 +59,7 @@ def _broken_rank1(rank: int, world: int) -> str:
     import warnings
 
     if rank == 1:
-        import fsdp_overlap_plugin.compile as fo_compile
+        import fsdp_overlap_plugin.compile.compiler as fo_compile
 
         def broken(*args, **kwargs):
             raise RuntimeError("injected compile failure")

@@ -196,7 +196,7 @@ def assets(tmp_path_factory) -> Path:
     """Real files at the README's placeholder paths (built once)."""
     import _hf
 
-    from fsdp_overlap_plugin import checkpoint
+    from fsdp_overlap_plugin.shard import checkpoint
 
     root = tmp_path_factory.mktemp("readme_assets")
     _hf.config("llama").save_pretrained(root / "path" / "to")  # path/to/config.json

@@ -14,10 +14,10 @@ from _dist import run_ranks
 from _fake import fake_world
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.accelerators import GLOO_ALL_TO_ALL_BITWISE, reduce_scatter_choice
 from fsdp_overlap_plugin.cli import main
-from fsdp_overlap_plugin.config import OverlapConfigError
-from fsdp_overlap_plugin.exchange import _LIVE, GROUP_PREFIX, build_receive_first_group, exchanges_run
+from fsdp_overlap_plugin.config.schema import OverlapConfigError
+from fsdp_overlap_plugin.runtime.devices import GLOO_ALL_TO_ALL_BITWISE, reduce_scatter_choice
+from fsdp_overlap_plugin.runtime.exchange import _LIVE, GROUP_PREFIX, build_receive_first_group, exchanges_run
 
 pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
 

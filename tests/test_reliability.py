@@ -19,7 +19,7 @@ from _fake import fake_world
 from _train import full_params, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.compile import GraphBreakError
+from fsdp_overlap_plugin.compile.compiler import GraphBreakError
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ BAD_INPUTS = [
 def _bad_inputs(rank: int, world: int) -> dict:
     """Each bad config fails in parallelize() on this rank before any collective: no mesh
     is built (which would talk to the other ranks) and the group stays usable."""
-    import fsdp_overlap_plugin.sharding as sharding
+    import fsdp_overlap_plugin.shard.sharding as sharding
 
     meshes = []
     real = sharding.init_device_mesh
@@ -200,7 +200,7 @@ def test_graph_break_without_fullgraph_warns_with_counts():
 
 # ------------------------------------------------------------------ compile failures
 def _compile_failure(rank: int, world: int, on_error: str) -> dict:
-    import fsdp_overlap_plugin.compile as fo_compile
+    import fsdp_overlap_plugin.compile.compiler as fo_compile
 
     torch._dynamo.reset()
     model = make_model()
@@ -290,7 +290,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tmp_
 
 
 def _interrupted_save(rank: int, world: int, workdir: str) -> dict:
-    from fsdp_overlap_plugin.checkpoint import load_latest, save
+    from fsdp_overlap_plugin.shard.checkpoint import load_latest, save
 
     path = str(Path(workdir) / "ckpt")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_overlap_plugin import costmodel as cm
-from fsdp_overlap_plugin.costmodel import draw_timeline, predicted, simulate
+from fsdp_overlap_plugin.report import costmodel as cm
+from fsdp_overlap_plugin.report.costmodel import draw_timeline, predicted, simulate
 
 RATES = {"flops": 1e9, "mem": 1e12, "link": 1e6}  # 1 GFLOP/s, memory free, 1 MB/s link
 
@@ -129,8 +129,8 @@ def test_reading_a_report_never_imports_the_compile_wiring():
     never the other way round. Importing the package (which registers the Lightning
     strategies and imports parallelize) does not load compile.py either."""
     check = (
-        "import sys, fsdp_overlap_plugin.report; "
-        "assert 'fsdp_overlap_plugin.compile' not in sys.modules, "
+        "import sys, fsdp_overlap_plugin.report.schedule; "
+        "assert 'fsdp_overlap_plugin.compile.compiler' not in sys.modules, "
         "sorted(m for m in sys.modules if m.startswith('fsdp_overlap_plugin'))"
     )
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)

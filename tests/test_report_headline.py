@@ -13,9 +13,9 @@ import pytest
 from _fake import fake_world
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.costmodel import rates_for
-from fsdp_overlap_plugin.records import SUMMARY_STATS
-from fsdp_overlap_plugin.report import _plan_words, headline
+from fsdp_overlap_plugin.report.costmodel import rates_for
+from fsdp_overlap_plugin.report.schedule import _plan_words, headline
+from fsdp_overlap_plugin.runtime.records import SUMMARY_STATS
 
 GLOSSARY = Path(__file__).resolve().parents[1] / "docs" / "report.md"
 

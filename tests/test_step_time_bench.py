@@ -173,7 +173,7 @@ def _exchange_vs_gloo(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fsdp_overlap_plugin.exchange import exchange
+    from fsdp_overlap_plugin.runtime.exchange import exchange
 
     bench = _bench.load("step_time")
     group = dist.group.WORLD

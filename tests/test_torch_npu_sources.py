@@ -64,7 +64,7 @@ def _train_beside_ascend(rank: int, world: int, root: str, cache: str) -> dict:
         return run_ascend(graph)
 
     ascend_custom_passes.run_register_post_custom_passes = ascend_spy
-    from fsdp_overlap_plugin import compile as compile_module
+    from fsdp_overlap_plugin.compile import compiler as compile_module
 
     run_ours = compile_module.run_passes
 

@@ -223,8 +223,8 @@ def test_cache_key_carries_the_rank_only_where_merged_all_gathers_write_at_its_o
     which the rank agreement uses, is the same on every rank either way."""
     import dataclasses
 
-    from fsdp_overlap_plugin.config import OverlapConfig
-    from fsdp_overlap_plugin.state import OverlapState
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
+    from fsdp_overlap_plugin.runtime.state import OverlapState
 
     def keys(**config):
         state = OverlapState(OverlapConfig(**config), [["blocks.0"]], "cpu", 2, (2,), local_layout="even")
@@ -245,8 +245,8 @@ def test_uuid_is_the_same_on_every_shard_group_of_an_hsdp_mesh():
     still reach the cache key (the compiled graphs name the groups)."""
     import dataclasses
 
-    from fsdp_overlap_plugin.config import OverlapConfig
-    from fsdp_overlap_plugin.state import OverlapState
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
+    from fsdp_overlap_plugin.runtime.state import OverlapState
 
     base = OverlapState(
         OverlapConfig(separate_gather_group=True), [["blocks.0"]], "cpu", 4, (2, 2), local_layout="even"

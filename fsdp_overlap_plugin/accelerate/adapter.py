@@ -38,15 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import accelerators
-from ..config import OverlapConfig, OverlapConfigError
-from ..export import full_state_dict
-from ..initialize import materialize
-from ..messages import install_excepthook
+from ..config.schema import OverlapConfig, OverlapConfigError
 from ..parallelize import parallelize
-from ..preflight import preflight
-from ..sharding import build_mesh, gather_disabled, is_sharded
-from ..state import get_state
+from ..report.messages import install_excepthook
+from ..runtime import devices
+from ..runtime.state import get_state
+from ..shard.export import full_state_dict
+from ..shard.initialize import materialize
+from ..shard.preflight import preflight
+from ..shard.sharding import build_mesh, gather_disabled, is_sharded
 from .config import ConfigSource, Resolved, load_config
 
 __all__ = ["Resolved", "config_source", "configure", "load_config", "prepare", "use_gloo_on_cpu_only_launch"]
@@ -78,7 +78,7 @@ def use_gloo_on_cpu_only_launch() -> bool:
         return False
     if "ACCELERATE_USE_CPU" in env:
         return False
-    if accelerators.detect_device_type() != "cpu":
+    if devices.detect_device_type() != "cpu":
         return False
     env["ACCELERATE_USE_CPU"] = "true"
     return True
@@ -152,10 +152,8 @@ def prepare(
     old_names = {id(p): name for name, p in model.named_parameters()}
 
     device = accelerator.device
-    if device.type not in accelerators.BACKENDS:
-        raise RuntimeError(
-            f"fsdp-overlap runs on {', '.join(accelerators.BACKENDS)}; the Accelerator's device is {device}."
-        )
+    if device.type not in devices.BACKENDS:
+        raise RuntimeError(f"fsdp-overlap runs on {', '.join(devices.BACKENDS)}; the Accelerator's device is {device}.")
     _ensure_process_group(device)
     on_meta = any(p.is_meta for p in model.parameters())
     if resolved.settings.sync_module_states and not on_meta and dist.get_world_size() > 1:
@@ -212,7 +210,7 @@ def _ensure_process_group(device: torch.device) -> None:
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("fsdp-overlap: several processes were launched but no process group is initialised.")
-    dist.init_process_group(accelerators.backend_for(device.type), store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(devices.backend_for(device.type), store=dist.HashStore(), rank=0, world_size=1)
 
 
 @torch.no_grad()

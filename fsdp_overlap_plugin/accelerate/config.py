@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, respell, suggest
+from ..config.schema import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, respell, suggest
 
 __all__ = [
     "ENV_VAR",
@@ -745,7 +745,7 @@ def build_config(
                 raise OverlapConfigError(
                     "fsdp_activation_checkpointing: true needs the model to find its repeated blocks."
                 )
-            from ..plan import find_repeated_blocks
+            from ..config.plan import find_repeated_blocks
 
             blocks = find_repeated_blocks(model)
             if blocks is None:

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import OverlapConfig, OverlapConfigError
+from ..config.plan import PlanWarning, auto_plan_info
+from ..config.schema import OverlapConfig, OverlapConfigError
+from ..contract import BucketIndex
 from ..parallelize import unbucketed_parameters
-from ..passes.plan_index import BucketIndex
 from ..passes.prefetch import kept_buckets, prefetch_plan
-from ..plan import PlanWarning, auto_plan_info
-from ..preflight import preflight
+from ..shard.preflight import preflight
 from .text import format_bytes, format_count
 
 __all__ = [

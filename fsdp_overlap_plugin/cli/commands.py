@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from .. import costmodel
-from ..config import OverlapConfig, OverlapConfigError, dtype_name
+from ..config.schema import OverlapConfig, OverlapConfigError, dtype_name
+from ..report import costmodel
 from .analysis import analyze, bucket_rows, module_tree, tied_parameters
 from .configs import SHAPES, LoadedConfig, load_config
 from .errors import CliError

@@ -23,7 +23,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..accelerate import config as accelerate_config
-from ..config import OverlapConfig, OverlapConfigError, read_yaml, respell
+from ..config.schema import OverlapConfig, OverlapConfigError, read_yaml, respell
 from ..lightning import config as lightning_config
 
 __all__ = ["LoadedConfig", "SHAPES", "load_config"]

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..costmodel import draw_timeline, predicted, report_rates
+from ..report.costmodel import draw_timeline, predicted, report_rates
 from .errors import CliError
 from .text import format_bytes, format_flops, table
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint_reader import model_names, open_checkpoint
-from ..config import format_bytes, parse_dtype
-from ..export import DEFAULT_MAX_SHARD_SIZE, Group, export_root, plan_export, tied_groups, write_folder
+from ..config.schema import format_bytes, parse_dtype
+from ..shard.checkpoint_reader import model_names, open_checkpoint
+from ..shard.export import DEFAULT_MAX_SHARD_SIZE, Group, export_root, plan_export, tied_groups, write_folder
 from .errors import CliError
 from .models import load_model
 

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from accelerate.commands.launch import launch_command_parser
 
-from ..config import OverlapConfigError
+from ..config.schema import OverlapConfigError
 from .analysis import SMALL_BUCKET_BYTES
 from .errors import CliError
 

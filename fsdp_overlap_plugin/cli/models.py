@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import dtype_name, suggest
+from ..config.schema import dtype_name, suggest
 from .errors import CliError
 
 __all__ = ["HF_PREFIX", "load_hf_model", "load_model", "parse_model_spec", "unaccepted_kwargs"]
@@ -284,7 +284,7 @@ def load_hf_model(spec: str, model_args: list[str] | None = None) -> tuple[nn.Mo
     describes, built on the meta device with ``hf.model_from_config``, nothing downloaded.
     ``model_args`` override config fields (``num_hidden_layers=48``); every problem is a
     ``CliError`` naming the file or field."""
-    from .. import hf
+    from ..shard import hf
 
     overrides = _parse_model_args(model_args)
     file = _hf_config_file(spec)
@@ -316,7 +316,7 @@ def load_hf_model(spec: str, model_args: list[str] | None = None) -> tuple[nn.Mo
         ) from None
     info = {
         "spec": spec,
-        "factory": "fsdp_overlap_plugin.hf:model_from_config",
+        "factory": "fsdp_overlap_plugin.shard.hf:model_from_config",
         "args": [],
         "kwargs": overrides,
         "config": str(file),

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from .. import costmodel
-from ..activation_checkpointing import checkpointed_modules
-from ..config import OverlapConfig
-from ..passes.plan_index import BucketIndex
-from ..plan import auto_plan_info
+from ..config.plan import auto_plan_info
+from ..config.schema import OverlapConfig
+from ..contract import BucketIndex
+from ..report import costmodel
+from ..shard.activation_checkpointing import checkpointed_modules
 from .analysis import _add_bytes, _memory, bucket_rows, kept_for_backward, parameter_buckets
 
 __all__ = [

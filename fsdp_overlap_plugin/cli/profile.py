@@ -73,7 +73,7 @@ def _vocab(model: nn.Module) -> int:
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """A transformers causal LM's own loss (labels = inputs), else next-token cross-entropy
     of the logits the model returns."""
-    from ..hf import is_transformers_model
+    from ..shard.hf import is_transformers_model
 
     if is_transformers_model(model):
         return model(input_ids=tokens, labels=tokens).loss
@@ -95,7 +95,7 @@ def measure_compute(
 ) -> dict[str, Any]:
     """Time ``steps`` training steps of an allocated, unsharded model (after ``warmup``);
     return the profile's keys."""
-    from ..hf import prepare_for_compile
+    from ..shard.hf import prepare_for_compile
 
     vocab = _vocab(model)
     model.train()
@@ -137,9 +137,9 @@ def measure_compute(
 
 
 def cmd_profile(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
-    from ..config import OverlapConfig
-    from ..initialize import materialize
-    from ..plan import resolve_plan
+    from ..config.plan import resolve_plan
+    from ..config.schema import OverlapConfig
+    from ..shard.initialize import materialize
     from .predict import bucket_costs
 
     for name in ("batch", "seq", "steps"):

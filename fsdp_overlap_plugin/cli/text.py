@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..config import OverlapConfig, dtype_name, format_bytes, prefetch_words
+from ..config.schema import OverlapConfig, dtype_name, format_bytes, prefetch_words
 
 __all__ = [
     "auto_lines",
@@ -233,8 +233,8 @@ def reduce_scatter_choices(config: OverlapConfig, shard_size: int | None) -> dic
     function ``parallelize`` calls) for ``shard_size`` ranks per shard group: ``{backend:
     [impl, reason]}``; with no world size given, gloo twice (2 ranks per shard group, and
     more). A value the backend rejects at startup is ``["error", why]``."""
-    from ..accelerators import BACKENDS, reduce_scatter_choice
-    from ..config import OverlapConfigError
+    from ..config.schema import OverlapConfigError
+    from ..runtime.devices import BACKENDS, reduce_scatter_choice
 
     out = {}
     for backend in BACKENDS.values():

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import accelerators
-from ..config import MeshConfig, OverlapConfig, OverlapConfigError, suggest
-from ..initialize import materialize
-from ..messages import install_excepthook
+from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError, suggest
 from ..parallelize import parallelize
-from ..sharding import is_sharded
-from ..state import get_state
+from ..report.messages import install_excepthook
+from ..runtime import devices
+from ..runtime.state import get_state
+from ..shard.initialize import materialize
+from ..shard.sharding import is_sharded
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -358,7 +358,7 @@ class StrategyBase:
         return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
 
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or accelerators.backend_for(self.root_device.type)  # type: ignore[attr-defined]
+        return self._process_group_backend or devices.backend_for(self.root_device.type)  # type: ignore[attr-defined]
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -398,7 +398,7 @@ def no_gathers() -> Iterator[None]:
     """State-dict and checkpoint code reads parameters through ``getattr`` (torch's DCP
     ``_get_fqns`` does); inside this block that returns the shard instead of running an
     all-gather per parameter."""
-    from ..sharding import gather_disabled
+    from ..shard.sharding import gather_disabled
 
     with gather_disabled():
         yield

@@ -39,7 +39,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..config import OverlapConfig, OverlapConfigError, respell, suggest
+from ..config.schema import OverlapConfig, OverlapConfigError, respell, suggest
 from ._common import config_for_precision, precision_of
 from .trainer import FSDPOverlapStrategy
 

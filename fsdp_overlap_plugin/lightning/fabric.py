@@ -29,11 +29,11 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
-from ..accumulation import replica_all_reduce_skipped, replica_sync_of
-from ..config import OverlapConfig, OverlapConfigError
-from ..messages import install_excepthook
-from ..report import format_report, schedule_report
-from ..sharding import build_mesh
+from ..config.schema import OverlapConfig, OverlapConfigError
+from ..report.messages import install_excepthook
+from ..report.schedule import format_report, schedule_report
+from ..runtime.accumulation import replica_all_reduce_skipped, replica_sync_of
+from ..shard.sharding import build_mesh
 from ._common import (
     CONFIG_FIELDS,
     StrategyBase,

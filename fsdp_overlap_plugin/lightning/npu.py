@@ -2,7 +2,7 @@
 
 Lightning knows cuda, mps, xla and cpu; Ascend NPUs come through ``torch_npu``, which
 renames the PrivateUse1 device to ``"npu"`` and provides ``torch.npu``. Every device
-decision is asked of ``fsdp_overlap_plugin.accelerators`` (the one place that imports
+decision is asked of ``fsdp_overlap_plugin.runtime.devices`` (the one place that imports
 ``torch_npu``): availability, device count, the current device and the backend (hccl,
 chosen by the strategies). Lightning's ``accelerator="auto"`` never picks an NPU; pass
 ``accelerator="npu"``.
@@ -16,13 +16,13 @@ import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
 
-from .. import accelerators
+from ..runtime import devices
 
 __all__ = ["NPUAccelerator", "NPUFabricAccelerator", "NPUAcceleratorMixin", "parse_npu_devices"]
 
 
 def _npu() -> Any:
-    return accelerators.device_module("npu")
+    return devices.device_module("npu")
 
 
 def parse_npu_devices(devices: int | str | list[int] | None) -> list[int] | None:
@@ -57,7 +57,7 @@ class NPUAcceleratorMixin:
     def setup_device(self, device: torch.device) -> None:
         if device.type != "npu":
             raise ValueError(f"Device should be an NPU, got {device} instead.")
-        accelerators.set_device(device)
+        devices.set_device(device)
 
     def teardown(self) -> None:
         empty_cache = getattr(_npu(), "empty_cache", None)
@@ -75,11 +75,11 @@ class NPUAcceleratorMixin:
     @staticmethod
     def auto_device_count() -> int:
         module = _npu()
-        return int(module.device_count()) if module is not None and accelerators.npu_module() is not None else 0
+        return int(module.device_count()) if module is not None and devices.npu_module() is not None else 0
 
     @staticmethod
     def is_available() -> bool:
-        return accelerators.npu_module() is not None and NPUAcceleratorMixin.auto_device_count() > 0
+        return devices.npu_module() is not None and NPUAcceleratorMixin.auto_device_count() > 0
 
     @staticmethod
     def name() -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .. import accelerators
+from ..runtime import devices
 
 __all__ = ["STRATEGY_NAME", "register"]
 
@@ -29,7 +29,7 @@ def _installed(name: str) -> bool:
 def register() -> dict[str, list[str]]:
     """Register the names; returns ``{package: [names registered there]}``."""
     done: dict[str, list[str]] = {}
-    has_npu = accelerators.npu_module() is not None
+    has_npu = devices.npu_module() is not None
     # ``lightning`` is a dependency of the package; the standalone packages are optional.
     from lightning.fabric.accelerators import ACCELERATOR_REGISTRY as fabric_accelerators
     from lightning.fabric.strategies import STRATEGY_REGISTRY as fabric_strategies

@@ -33,13 +33,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
-from .. import accelerators
-from ..accumulation import replica_all_reduce_skipped
-from ..config import OverlapConfig
-from ..messages import install_excepthook
-from ..report import format_report, schedule_report
-from ..sharding import build_mesh
-from ..state import get_state
+from ..config.schema import OverlapConfig
+from ..report.messages import install_excepthook
+from ..report.schedule import format_report, schedule_report
+from ..runtime import devices
+from ..runtime.accumulation import replica_all_reduce_skipped
+from ..runtime.state import get_state
+from ..shard.sharding import build_mesh
 from ._common import (
     CONFIG_FIELDS,
     StrategyBase,
@@ -278,7 +278,7 @@ def align_autocast_device(plugin: Any, device: torch.device) -> None:
 def _warn_if_npu_unused(device: torch.device) -> None:
     """Lightning's ``accelerator="auto"`` does not know NPUs; say so instead of training
     on the CPU of an NPU machine without a word."""
-    if device.type == "cpu" and accelerators.npu_module() is not None and accelerators.detect_device_type() == "npu":
+    if device.type == "cpu" and devices.npu_module() is not None and devices.detect_device_type() == "npu":
         rank_zero_warn(
             "fsdp_overlap: an Ascend NPU is available but this run uses the CPU. Lightning's "
             "accelerator='auto' does not detect NPUs: pass accelerator='npu'."

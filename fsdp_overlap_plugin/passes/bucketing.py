@@ -47,13 +47,15 @@ bucket in ``node.meta["fsdp_overlap_bucket"]``.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
 
 from .._torch_compat import preserve_node_ordering
-from ..plan import check_disjoint
+from ..contract import BucketIndex, check_disjoint
 from .graph import (
     C10D,
     collective_of_wait,
@@ -78,7 +80,6 @@ from .graph import (
 )
 from .merge import Retired, bucket_key, graph_fake_mode, merge_all_gathers, merge_reduce_scatters
 from .order import Positions, repair_order
-from .plan_index import BucketIndex
 from .prefetch import PrefetchPlan, prefetch_plan
 
 __all__ = ["manual_bucketing", "use_gather_group"]
@@ -121,6 +122,7 @@ def manual_bucketing(
     prefetch_depth: int = 1,
     max_prefetch_bytes: int | None = None,
     kept: tuple[int, int] = (0, 0),
+    group_ranks: Mapping[str, int] | None = None,
 ) -> dict:
     """Bucket and reorder the FSDP collectives of ``gm`` per ``module_bucket_plans``.
 
@@ -134,6 +136,8 @@ def manual_bucketing(
             within a budget of gathered bytes (``passes/prefetch.py``).
         kept: ``(buckets, bytes)`` the forward kept gathered, for a backward graph (they
             count at its top).
+        group_ranks: this process's rank in each process group, by the group's name
+            (``merge_all_gathers``); resolved by the caller, so the pass needs none.
 
     Returns statistics: collectives before and after, merges, moves
     (``prefetched``, ``deferred_rs_waits``, ``gathers_first``), what stayed unbucketed
@@ -178,7 +182,8 @@ def manual_bucketing(
 
     fake_mode = graph_fake_mode(graph)
     retired = Retired()
-    gather_units = _merge(graph, gather_groups, merge_all_gathers, fake_mode, retired, stats, "merged_all_gathers")
+    merge_gathers = functools.partial(merge_all_gathers, group_ranks=group_ranks)
+    gather_units = _merge(graph, gather_groups, merge_gathers, fake_mode, retired, stats, "merged_all_gathers")
     scatter_units = _merge(
         graph, scatter_groups, merge_reduce_scatters, fake_mode, retired, stats, "merged_reduce_scatters"
     )

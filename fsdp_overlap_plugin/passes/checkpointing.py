@@ -39,38 +39,11 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..config import AC_POLICIES
+from ..contract import AC_KEY, AC_POLICIES, SAVED_OPS
 
 __all__ = ["AC_KEY", "POLICIES", "SAVED_OPS", "annotate_activation_checkpointing", "region_of"]
 
-#: ``node.meta["custom"][AC_KEY]``: the FQN of the checkpointed module that traced the node.
-AC_KEY = "fsdp_overlap_checkpoint"
-
 POLICIES = AC_POLICIES
-
-
-def _ops(*names: str) -> frozenset:
-    """The default overloads of the ``aten`` ops named (those this torch has)."""
-    found = set()
-    for name in names:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None and hasattr(packet, "default"):
-            found.add(packet.default)
-    return frozenset(found)
-
-
-#: What ``matmuls_saved`` keeps: matrix multiplications and attention kernels.
-SAVED_OPS = _ops(
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "_scaled_mm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-)
 
 
 def _is_seeded(target) -> bool:

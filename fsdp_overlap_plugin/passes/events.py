@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..contract import BucketIndex
 from .graph import (
     collective_of_wait,
     effective_target,
@@ -29,7 +30,6 @@ from .graph import (
     numel_hint,
     size_hint,
 )
-from .plan_index import BucketIndex
 
 __all__ = ["graph_events"]
 

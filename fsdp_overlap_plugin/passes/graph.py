@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_compat as compat
+from ..contract import PARAM_KEY
 from .ops import FILL_SLOT, PACK_ROWS
 
 __all__ = [
@@ -335,13 +336,6 @@ def _overload_is_barrier(target: compat.OpOverload) -> bool:
         return True
     return compat.is_impure(target)
 
-
-#: ``node.meta["custom"][PARAM_KEY]``: the FQN (relative to the sharded root) of the
-#: parameter whose gather produced the node. ``sharding`` sets it at trace time with
-#: ``torch.fx.traceback.annotate``; AOT autograd copies it to the backward nodes (by
-#: sequence number) and the partitioner keeps it, so forward all-gathers, backward
-#: re-gathers and gradient reduce-scatters all carry it.
-PARAM_KEY = "fsdp_overlap_param"
 
 # A Dynamo source's root: the frame's local (``L['self']``, ``L['args'][0]``, ``L['fn']``)
 # with any subscripts directly on it; or a global (``G['model']``).

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .._torch_compat import FakeTensor, detect_fake_mode, process_group_rank
+from .._torch_compat import FakeTensor, detect_fake_mode
 from .graph import C10D, group_name, node_args, wait_of
 from .ops import FILL_SLOT, PACK_ROWS, SPLIT_GATHERED
 
@@ -212,10 +212,16 @@ def merge_all_gathers(
     extra_meta: dict,
     fake_mode: Any = None,
     retired: Retired | None = None,
+    group_ranks: Mapping[str, int] | None = None,
 ) -> MergeResult:
     """Replace ``gathers`` (same group, size and dtype; each with one wait) by one
     all-gather inserted before ``anchor``. Old launches and waits are erased now, or
-    handed to ``retired`` to be erased by ``retired.finish(graph)``."""
+    handed to ``retired`` to be erased by ``retired.finish(graph)``.
+
+    ``group_ranks`` maps a group's name to this process's rank in it (data the caller
+    resolved; a pass never looks up a process group). With the rank, the members are
+    copied straight into this rank's slot of the output (``FILL_SLOT``); without it (a
+    hand-built graph), they are concatenated first."""
     first = gathers[0]
     size = node_args(first)[1]
     group = node_args(first)[2]
@@ -225,7 +231,7 @@ def merge_all_gathers(
     numels = [math.prod(s) for s in shapes]
     total = sum(numels)
     t = builder.tensor
-    rank = process_group_rank(group)
+    rank = (group_ranks or {}).get(group) if isinstance(group, str) else None
     like = first.meta.get("val")
     casts: list[fx.Node | None] = [None] * len(gathers)
     if rank is None or not isinstance(like, torch.Tensor):

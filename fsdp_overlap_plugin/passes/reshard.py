@@ -32,8 +32,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..contract import BucketIndex
 from .graph import is_fsdp_all_gather, is_preparation_op, is_view, numel_hint, owner_module, param_fqn, wait_of
-from .plan_index import BucketIndex
 from .prefetch import kept_buckets
 
 __all__ = ["annotate_reshard"]

@@ -44,7 +44,7 @@ KINDS = ("forward", "backward")
 
 
 def store_dir(uuid: str, graph_id: str | None, rank: int = 0) -> Path:
-    from ._torch_compat import inductor_cache_dir
+    from .._torch_compat import inductor_cache_dir
 
     return Path(inductor_cache_dir()) / "fsdp_overlap" / uuid / f"rank{rank}" / (graph_id or "unknown")
 

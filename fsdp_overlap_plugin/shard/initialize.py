@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..config.schema import ON_UNINITIALIZED, OverlapConfigError
 from . import hf
-from .config import ON_UNINITIALIZED, OverlapConfigError
 from .sharding import gather_disabled, row_range
 
 __all__ = ["UninitializedWarning", "check_finite", "materialize", "slots"]
@@ -74,7 +74,7 @@ def slots(model: nn.Module) -> list[_Slot]:
 
 
 def _default_policy(model: nn.Module) -> str:
-    from .state import get_state
+    from ..runtime.state import get_state
 
     for module in model.modules():
         state = get_state(module)

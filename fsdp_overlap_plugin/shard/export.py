@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..config.schema import OverlapConfigError, parse_bytes, parse_dtype
 from . import hf
-from .config import OverlapConfigError, parse_bytes, parse_dtype
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -386,7 +386,7 @@ class _AllRanks:
     and rank 0's outcome (done, or the error that stopped it) reaches every rank."""
 
     def __init__(self, what: str, timeout: float | None, model: nn.Module):
-        from .ranks import RankAgreement
+        from ..runtime.ranks import RankAgreement
 
         self.what = what
         self.timeout = _timeout(model) if timeout is None else float(timeout)
@@ -417,7 +417,7 @@ class _AllRanks:
 
 
 def _timeout(model: nn.Module) -> float:
-    from .state import get_state
+    from ..runtime.state import get_state
 
     for module in model.modules():
         state = get_state(module)
@@ -559,7 +559,7 @@ def full_state_dict(model: nn.Module, *, timeout: float | None = None) -> dict[s
 _NOT_SHARDED_ARGS = {
     "push_to_hub": (False, "save, then upload the folder (huggingface_hub.upload_folder)"),
     "variant": (None, "rename the files after saving"),
-    "distributed_checkpoint": (False, "use fsdp_overlap_plugin.checkpoint.save for sharded checkpoints"),
+    "distributed_checkpoint": (False, "use fsdp_overlap_plugin.shard.checkpoint.save for sharded checkpoints"),
 }
 
 
@@ -613,4 +613,4 @@ def install_save_pretrained(model: nn.Module) -> None:
 
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian bytes
-    raise ImportError("fsdp_overlap_plugin.export writes safetensors, which needs a little-endian machine")
+    raise ImportError("fsdp_overlap_plugin.shard.export writes safetensors, which needs a little-endian machine")

@@ -122,7 +122,7 @@ def reduce_scatter_choice(
     if not compiled:
         return "native", "compile: false runs eager fully_shard, which reduce-scatters natively"
     if requested == "receive_first" and backend != "gloo":
-        from .config import OverlapConfigError
+        from ..config.schema import OverlapConfigError
 
         raise OverlapConfigError(
             f"reduce_scatter_impl: receive_first reorders gloo's point-to-point sends and receives; "

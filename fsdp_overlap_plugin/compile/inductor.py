@@ -13,8 +13,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from . import _torch_compat as compat
-from .passes.graph import graph_kind
+from .. import _torch_compat as compat
+from ..passes.graph import graph_kind
 
 __all__ = ["inductor_backend", "inductor_options"]
 

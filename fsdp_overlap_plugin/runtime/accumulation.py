@@ -19,7 +19,7 @@ FSDP2's names, on the compiled model (``compile: false`` is FSDP2 itself and has
   every micro-batch (over the shard group, the fast link), so gradients stay sharded
   (less memory than FSDP2's) and only the replica all-reduce is deferred. The numbers are
   the same either way. The first call says so once (INFO, logger
-  ``fsdp_overlap_plugin.accumulation``); there is no switch that skips the reduce-scatter.
+  ``fsdp_overlap_plugin.runtime.accumulation``); there is no switch that skips the reduce-scatter.
 * ``model.no_sync()``: a context manager for ``set_requires_gradient_sync(False)``.
 
 Accelerate's ``accumulate`` calls ``set_requires_gradient_sync`` on an FSDP2 model; the

@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..config.schema import OverlapConfigError
 from . import hf
-from .config import OverlapConfigError
 from .initialize import check_finite, slots
 from .sharding import row_range
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import _torch_compat as compat
-from .config import PREDICTION_ONLY, OverlapConfig
+from .. import _torch_compat as compat
+from ..config.schema import PREDICTION_ONLY, OverlapConfig
 
 __all__ = ["OverlapState", "get_state", "local_layout", "model_fingerprint"]
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _STATE_ATTR = "_fsdp_overlap_state"
 # Hex characters kept of a sha256 digest (128 bits): collision-free in practice, and
 # short enough for cache directory names and log lines.
@@ -30,7 +30,8 @@ _DIGEST_CHARS = 32
 # The source files whose code decides what the passes do to a graph, what they record and
 # how the uuid is made: a change to any of them invalidates inductor's caches (every file
 # of passes/, events.py included).
-_SOURCE_FILES = ("compile.py", "inductor_passes.py", "_torch_compat.py", "state.py")
+_SOURCE_DIRS = ("passes", "compile")
+_SOURCE_FILES = ("contract.py", "_torch_compat.py", "runtime/state.py")
 
 
 @dataclass
@@ -71,7 +72,7 @@ class OverlapState:
     # receive_first: shard group name -> the receive-first group over it (exchange.py)
     exchange_groups: dict[str, str] = field(default_factory=dict)
     exchanges_before: int = 0  # all-to-alls those groups had run when this model was parallelized
-    reduce_scatter_reason: str = ""  # why (accelerators.reduce_scatter_choice)
+    reduce_scatter_reason: str = ""  # why (devices.reduce_scatter_choice)
     replica_sync: Any = None  # accumulation.ReplicaSync of the compiled model
 
     def uuid(self) -> str:
@@ -115,10 +116,11 @@ def get_state(model: nn.Module) -> OverlapState | None:
 
 
 def _source_digest() -> str:
-    files = sorted((_PACKAGE_DIR / "passes").glob("*.py")) + [_PACKAGE_DIR / name for name in _SOURCE_FILES]
+    files = [p for d in _SOURCE_DIRS for p in sorted((_PACKAGE_DIR / d).glob("*.py"))]
+    files += [_PACKAGE_DIR / name for name in _SOURCE_FILES]
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.name.encode())
+        digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

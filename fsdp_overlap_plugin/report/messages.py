@@ -44,7 +44,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, TextIO
 
-from .records import cache_hits
+from ..runtime.records import cache_hits
 
 __all__ = [
     "CONFIG_ERROR_EXIT",
@@ -72,8 +72,8 @@ _OFF = ("0", "false", "no", "off")
 # ------------------------------------------------------------------ configuration errors
 def is_config_error(exc: BaseException | None) -> bool:
     """One of the plugin's startup configuration errors."""
-    from ._torch_compat import TorchFeatureError
-    from .config import OverlapConfigError
+    from .._torch_compat import TorchFeatureError
+    from ..config.schema import OverlapConfigError
 
     return isinstance(exc, (OverlapConfigError, TorchFeatureError))
 
@@ -168,8 +168,12 @@ def _print(
     stream.flush()
 
 
+# the package's folder (this file is in report/)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
 def _library_dirs() -> tuple[str, ...]:
-    package = os.path.dirname(os.path.realpath(__file__))
+    package = _PACKAGE
     paths = sysconfig.get_paths()
     dirs = {
         package,
@@ -183,7 +187,7 @@ def _where(tb: TracebackType | None) -> str:
     plugin function the user's code called (the first frame inside the package) and the
     user's line that called it (the last frame outside any library)."""
     frames = list(traceback.walk_tb(tb))
-    package = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    package = _PACKAGE + os.sep
     libraries = _library_dirs()
     entry, caller = None, None
     for frame, lineno in frames:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..contract import AC_POLICIES, OverlapConfigError
+
 __all__ = [
     "MAX_CONFIG_BYTES",
     "MeshConfig",
@@ -62,10 +64,6 @@ def prefetch_words(depth: int, budget: int | None, order: str) -> str:
     return f"depth {depth}, budget {'none' if budget is None else format_bytes(budget)}; {MEMORY_ORDER_WORDS[order]}"
 
 
-class OverlapConfigError(ValueError):
-    """A configuration problem, raised at startup, naming the key or module at fault."""
-
-
 # Accepted spellings of each dtype; the first one is the canonical name.
 _DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
     "bf16": (torch.bfloat16, ("bf16", "bfloat16", "torch.bfloat16")),
@@ -74,7 +72,6 @@ _DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
 }
 _BACKENDS = ("inductor", "aot_eager")
 _REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all", "receive_first")
-AC_POLICIES = ("full", "matmuls_saved")  # activation_checkpointing_policy; passes/checkpointing.py implements each
 _RANK_CHECK = ("error", "warn", "off")
 _DYNAMIC = ("auto", True, False)
 _ON_COMPILE_ERROR = ("raise", "eager")
@@ -474,7 +471,7 @@ class OverlapConfig:
                 raise OverlapConfigError(
                     f"{name}: unknown value {value!r}; valid: {', '.join(choices)}.{suggest(str(value), choices)}"
                 )
-        from .costmodel import load_profile, parse_hardware  # costmodel imports nothing of ours but records
+        from .hardware import load_profile, parse_hardware
 
         try:
             parse_hardware(self.hardware)

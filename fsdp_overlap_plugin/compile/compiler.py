@@ -43,14 +43,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import _torch_compat as compat
-from . import passes
-from .config import OverlapConfig, OverlapConfigError
-from .messages import CompileProgress
-from .passes.events import graph_events
-from .passes.graph import collective_counts
-from .records import load_graph_records, record_name, save_record, summarize_pass
-from .state import OverlapState, get_state
+from .. import _torch_compat as compat
+from .. import passes
+from ..config.schema import OverlapConfig, OverlapConfigError
+from ..passes.events import graph_events
+from ..passes.graph import C10D, collective_counts
+from ..report.messages import CompileProgress
+from ..runtime.records import load_graph_records, record_name, save_record, summarize_pass
+from ..runtime.state import OverlapState, get_state
 
 __all__ = [
     "JOINT_PASSES",
@@ -112,6 +112,7 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
             prefetch_depth=state.config.prefetch_depth,
             max_prefetch_bytes=state.config.max_prefetch_bytes,
             kept=_kept_for_backward(gm, state),
+            group_ranks=_group_ranks(gm),
         ),
         lambda kind, state: state.config.manual_bucketing,
     ),
@@ -132,6 +133,19 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
         lambda kind, state: state.config.backend == "inductor" and _reorders(state.config),
     ),
 )
+
+
+def _group_ranks(gm: fx.GraphModule) -> dict[str, int]:
+    """This process's rank in each process group ``gm``'s all-gathers name: the data
+    ``manual_bucketing`` needs to place a merged gather's own shard, resolved here so
+    that the passes never look up a process group."""
+    ranks = {}
+    for node in gm.graph.find_nodes(op="call_function", target=C10D.all_gather_into_tensor.default):
+        group = node.args[2] if len(node.args) > 2 else node.kwargs.get("group_name")
+        rank = compat.process_group_rank(group)
+        if rank is not None:
+            ranks[group] = rank
+    return ranks
 
 
 def _kept_for_backward(gm: fx.GraphModule, state: OverlapState) -> tuple[int, int]:
@@ -325,7 +339,7 @@ class UnbucketedError(RuntimeError):
 
 def _inner_backend(state: OverlapState):
     if state.config.backend == "inductor":
-        from .inductor_passes import inductor_backend  # inductor is imported only to compile with it
+        from .inductor import inductor_backend  # inductor is imported only to compile with it
 
         return inductor_backend(state, run_passes, run_reshard)
     return aot_eager_backend(state)
@@ -343,7 +357,7 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
     config = state.config
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
-        from .ranks import RankAgreement, graph_fingerprint
+        from ..runtime.ranks import RankAgreement, graph_fingerprint
 
         state.dynamo_graphs += 1
         index = state.dynamo_graphs
@@ -431,7 +445,7 @@ def _symbolic_sizes(gm: fx.GraphModule) -> list[dict]:
     """The input sizes Dynamo compiled this graph for symbolically (a dynamic sequence
     length): each as ``{"input", "dim", "size", "traced_at"}``, ``size`` the expression
     and ``traced_at`` its value in the call that compiled it (what estimates count with)."""
-    from .passes.graph import size_hint
+    from ..passes.graph import size_hint
 
     out = []
     for node in gm.graph.nodes:
@@ -487,7 +501,7 @@ def _check_same_graph(agreement: Any, digest: str, entries: list, index: int, mo
 def _must_agree(agreement: Any, name: str, digest: str, entries: list, mode: str, message: str) -> None:
     """One store round comparing ``digest`` with rank 0's; on a difference raise
     ``RankMismatchError`` (``rank_check: error``) or warn, with ``message`` naming it."""
-    from .ranks import RankMismatchError
+    from ..runtime.ranks import RankMismatchError
 
     difference = agreement.same_graph(name, digest, entries)
     if difference is None:
@@ -774,7 +788,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState, progress: Compile
                     stacklevel=2,
                 )
                 return model._call_impl(*args, **kwargs)
-            from .ranks import RankMismatchError, RankTimeoutError
+            from ..runtime.ranks import RankMismatchError, RankTimeoutError
 
             progress.announced = False  # no "compiled in" line after a failure
             ours = _find(

@@ -27,11 +27,11 @@ import functools
 import torch
 import torch.nn as nn
 
+from .._torch_compat import TORCH_VERSION
+from ..config.plan import expand_pattern
+from ..config.schema import OverlapConfigError, suggest
+from ..contract import AC_KEY, SAVED_OPS
 from . import hf
-from ._torch_compat import TORCH_VERSION
-from .config import OverlapConfigError, suggest
-from .passes.checkpointing import AC_KEY, SAVED_OPS
-from .plan import expand_pattern
 
 try:  # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]
     from torch.fx.traceback import annotate as _annotate

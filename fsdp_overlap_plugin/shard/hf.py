@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import OverlapConfigError
+from ..config.schema import OverlapConfigError
 
 __all__ = [
     "checkpointing_layers",

@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .config import OverlapConfig, OverlapConfigError
-from .passes.graph import PARAM_KEY
+from ..config.schema import OverlapConfig, OverlapConfigError
+from ..contract import PARAM_KEY
 
 try:  # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]
     from torch.fx.traceback import annotate as _annotate

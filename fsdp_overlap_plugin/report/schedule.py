@@ -16,11 +16,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from .config import format_bytes, prefetch_words
+from ..config.schema import format_bytes, prefetch_words
+from ..runtime.exchange import exchanges_run
+from ..runtime.records import KINDS, SUMMARY_STATS, cache_hits, current, record_name, summarize_pass
+from ..runtime.state import get_state
 from .costmodel import predicted, resolve_rates
-from .exchange import exchanges_run
-from .records import KINDS, SUMMARY_STATS, cache_hits, current, record_name, summarize_pass
-from .state import get_state
 
 __all__ = [
     "SUMMARY_STATS",

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .config import OverlapConfig, OverlapConfigError, suggest
+from ..contract import check_disjoint
+from .schema import OverlapConfig, OverlapConfigError, suggest
 
 __all__ = [
     "AutoPlan",
@@ -147,35 +148,6 @@ def resolve_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -
                 stacklevel=2,
             )
     return buckets
-
-
-def check_disjoint(buckets: list[list[str]]) -> None:
-    """Raise if two buckets share a module (the same FQN, or one inside the other).
-
-    O(entries x depth): every FQN's ancestors are looked up in the owner map, so an
-    entry inside another one is found from the inner side.
-    """
-    owner: dict[str, int] = {}
-    for i, bucket in enumerate(buckets):
-        for fqn in bucket:
-            j = owner.get(fqn)
-            if j is not None and j != i:
-                _overlap(j, i, fqn, fqn)
-            owner[fqn] = i
-    for fqn, i in owner.items():
-        parts = fqn.split(".")
-        for k in range(1, len(parts)):
-            ancestor = ".".join(parts[:k])
-            j = owner.get(ancestor)
-            if j is not None and j != i:
-                _overlap(min(i, j), max(i, j), ancestor, fqn)
-
-
-def _overlap(first: int, second: int, a: str, b: str) -> None:
-    raise OverlapConfigError(
-        f"bucket_plans: entries {first} and {second} overlap: {a!r} and {b!r} share "
-        f"modules. Each module may belong to one bucket only."
-    )
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[str, list[str]] | None:

@@ -5,7 +5,7 @@ folder.
 ``open_checkpoint(path)`` recognises:
 
 * a ``torch.distributed.checkpoint`` directory (``.metadata`` and ``*.distcp`` files):
-  ``fsdp_overlap_plugin.checkpoint.save``'s ``step_*`` (or the folder holding them and
+  ``fsdp_overlap_plugin.shard.checkpoint.save``'s ``step_*`` (or the folder holding them and
   ``latest``), Lightning's sharded checkpoint, Accelerate's ``save_state`` folder on GPUs
   (``pytorch_model_fsdp_0/``), ``dcp.save(model.state_dict())`` of torch's ``fully_shard``.
   A tensor is read by asking DCP for that key alone: it reads just the byte ranges of its
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .config import OverlapConfigError
+from ..config.schema import OverlapConfigError
 from .weights import index_files
 
 __all__ = ["CheckpointReader", "model_names", "open_checkpoint"]
@@ -190,11 +190,11 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         )
     latest = path / "latest"
     if latest.is_file() and (path / latest.read_text().strip()).is_dir():
-        return _DistributedCheckpoint(path / latest.read_text().strip(), "fsdp_overlap_plugin.checkpoint step")
+        return _DistributedCheckpoint(path / latest.read_text().strip(), "fsdp_overlap_plugin.shard.checkpoint step")
     if (path / ".metadata").is_file():
         kind = "Lightning sharded checkpoint" if (path / "meta.pt").is_file() else "distributed checkpoint (DCP)"
         if path.name.startswith("step_"):
-            kind = "fsdp_overlap_plugin.checkpoint step"
+            kind = "fsdp_overlap_plugin.shard.checkpoint step"
         return _DistributedCheckpoint(path, kind)
     reader: CheckpointReader | None = None
     if (path / _ACCELERATE_DCP / ".metadata").is_file():

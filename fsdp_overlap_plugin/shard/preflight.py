@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from ..config.plan import resolve_plan
+from ..config.schema import OverlapConfig
 from .activation_checkpointing import checkpointed_modules
-from .config import OverlapConfig
-from .plan import resolve_plan
 
 __all__ = ["Preflight", "preflight"]
 

@@ -1,0 +1,1 @@
+"""Compiling a sharded model: the pass table, the backends, cache records, the cross-rank check, diagnostics."""

@@ -1,0 +1,1 @@
+"""Configuration: the schema, its readers, and bucket plans."""

@@ -1,0 +1,1 @@
+"""Everything a person reads: the schedule report, the cost model, messages."""
