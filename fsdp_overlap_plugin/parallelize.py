@@ -23,7 +23,7 @@ from .shard.sharding import build_gather_group, build_mesh, fully_shard_plan, sh
 __all__ = ["parallelize", "unbucketed_parameters"]
 
 # A configuration error that reaches the top of a rank uncaught is printed once, short
-# (messages.py); installed on import (errors before any process group) and again in
+# (report/messages.py); installed on import (errors before any process group) and again in
 # parallelize (init_process_group wraps the hook it finds in its own).
 install_excepthook()
 
@@ -137,7 +137,7 @@ def parallelize(
     else:
         fully_shard_plan(model, mesh, plan, config, notes=state.adjustments)
     # transformers' own save_pretrained would gather each sharded tensor on the writing
-    # rank alone (a hang); this one is collective and streams (export.py)
+    # rank alone (a hang); this one is collective and streams (shard/export.py)
     install_save_pretrained(model)
     setattr(model, _STATE_ATTR, state)
     return model

@@ -53,7 +53,7 @@ __all__ = ["FSDPOverlapFabricStrategy", "FabricStrategyMixin"]
 
 class _ReplicaSyncControl:
     """Fabric's ``no_backward_sync``: on HSDP the replica all-reduce is skipped inside
-    (``accumulation.py``); the reduce-scatter is compiled into the backward and runs on
+    (``runtime/accumulation.py``); the reduce-scatter is compiled into the backward and runs on
     every micro-batch."""
 
     def __init__(self, logger: logging.Logger):
@@ -147,7 +147,7 @@ class FabricStrategyMixin(StrategyBase):
         # Not ModelParallelStrategy.setup_environment: its (data, tensor) mesh is not ours.
         self.accelerator.setup_device(self.root_device)
         self._setup_distributed()  # seed, ranks, process group
-        install_excepthook()  # outermost again, over init_process_group's (messages.py)
+        install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
         self._device_mesh = build_mesh(self._config, self.root_device.type)
         _warn_if_npu_unused(self.root_device)
 

@@ -98,7 +98,7 @@ class TrainerStrategyMixin(StrategyBase):
     gradients over the shard group; the sharded gradients accumulate in ``param.grad``.
     On HSDP (``mesh.replicate > 1``) the micro-batches that accumulate skip the
     all-reduce across replicas, and the last one all-reduces the accumulated sum
-    (``block_backward_sync``, ``accumulation.py``). The result equals one large batch.
+    (``block_backward_sync``, ``runtime/accumulation.py``). The result equals one large batch.
     """
 
     _lightning_package = "lightning.pytorch"
@@ -169,7 +169,7 @@ class TrainerStrategyMixin(StrategyBase):
         self._config = config_for_precision(self._config_with_mesh(), precision_of(self.precision_plugin))
         self._align_precision_device()
         self._setup_distributed()  # device, seed, ranks, process group
-        install_excepthook()  # outermost again, over init_process_group's (messages.py)
+        install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
         self._device_mesh = build_mesh(self._config, self.root_device.type)
         # configure_model() may read it, as with ModelParallelStrategy.
         self.lightning_module._device_mesh = self._device_mesh
@@ -222,7 +222,7 @@ class TrainerStrategyMixin(StrategyBase):
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning's loop runs the micro-batches that accumulate inside this: on HSDP
         they skip the replica all-reduce, and the last micro-batch reduces the sum
-        (``accumulation.py``). The reduce-scatter runs on every micro-batch."""
+        (``runtime/accumulation.py``). The reduce-scatter runs on every micro-batch."""
         with replica_all_reduce_skipped(self._parallelized):
             yield None
 

@@ -18,7 +18,7 @@ where those passes put them.
 
 ``groups`` maps a reduce-scatter's group to another process group of the same ranks that
 runs its all-to-all (``reduce_scatter_impl: receive_first``: every receive posted before
-any send, ``exchange.py``); by default, and for groups it does not name, the all-to-all
+any send, ``runtime/exchange.py``); by default, and for groups it does not name, the all-to-all
 runs on the reduce-scatter's own group.
 """
 

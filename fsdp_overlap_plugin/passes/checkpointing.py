@@ -1,7 +1,7 @@
 """Activation checkpointing as recompute tags on the joint graph.
 
 A checkpointed module's forward is traced inside ``torch.fx.traceback.annotate`` with
-``{AC_KEY: fqn}`` (see ``activation_checkpointing.py``), so every node it makes carries
+``{AC_KEY: fqn}`` (see ``shard/activation_checkpointing.py``), so every node it makes carries
 the module's FQN in ``node.meta["custom"]``. This pass turns those marks into what
 ``torch.utils.checkpoint`` would have produced under ``torch.compile``: each forward node
 of a region is tagged ``PREFER_RECOMPUTE`` with the region's own ``ac_graph_id``, and the

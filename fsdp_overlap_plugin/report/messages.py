@@ -394,7 +394,7 @@ class CompileProgress:
             return
         self.recompiles += 1
         self.announced = True
-        if "_fsdp_overlap_gather.all_reduce" in reason:  # accumulation.py's flag, in Dynamo's guard
+        if "_fsdp_overlap_gather.all_reduce" in reason:  # runtime/accumulation.py's flag, in Dynamo's guard
             short = "gradient accumulation: the micro-batches that skip the replica all-reduce get a graph of their own"
         else:
             short = reason if len(reason) <= 100 else reason[:97] + "..."

@@ -3,11 +3,11 @@
 ``schedule_report(model)`` returns a JSON-serialisable dict of every compiled graph and
 the totals per kind; ``format_report`` turns it into the summary the examples print. A
 graph loaded from the FX graph cache (its passes did not run in this process) shows the
-record stored when it was compiled (``records.py``), marked as from the cache.
+record stored when it was compiled (``runtime/records.py``), marked as from the cache.
 
 Only reads: the records the compile wiring left on the model's ``OverlapState``
-(``state.py``), the schedules in them (made by ``passes/events.py``) and the cost model
-(``costmodel.py``, for ``report["predicted"]``). It imports no compile code.
+(``runtime/state.py``), the schedules in them (made by ``passes/events.py``) and the cost model
+(``report/costmodel.py``, for ``report["predicted"]``). It imports no compile code.
 """
 
 from __future__ import annotations

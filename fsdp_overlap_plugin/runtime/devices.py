@@ -115,7 +115,7 @@ def reduce_scatter_choice(
     ``auto`` picks, per backend, the implementation that moves the fewest bytes among those
     bitwise equal to the backend's own reduce-scatter: on gloo with 2 ranks per shard group
     all-to-all plus a local sum (half the bytes of gloo's clone plus all-reduce), run as
-    ``receive_first`` (on a group that posts every receive before any send, ``exchange.py``:
+    ``receive_first`` (on a group that posts every receive before any send, ``runtime/exchange.py``:
     the same bytes and results as gloo's all-to-all, both link directions busy at once);
     native everywhere else. An explicit value is kept as it is; ``receive_first`` exists
     for gloo only, elsewhere it is an error."""

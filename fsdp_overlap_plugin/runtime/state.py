@@ -69,7 +69,7 @@ class OverlapState:
     local_layout: str = ""  # digest of this rank's shard shapes (they differ across ranks when uneven)
     checkpointed: list[str] = field(default_factory=list)  # modules whose forward is recomputed in backward
     reduce_scatter_impl: str = "native"  # what reduce_scatter_impl resolved to (auto -> native / all_to_all)
-    # receive_first: shard group name -> the receive-first group over it (exchange.py)
+    # receive_first: shard group name -> the receive-first group over it (runtime/exchange.py)
     exchange_groups: dict[str, str] = field(default_factory=dict)
     exchanges_before: int = 0  # all-to-alls those groups had run when this model was parallelized
     reduce_scatter_reason: str = ""  # why (devices.reduce_scatter_choice)

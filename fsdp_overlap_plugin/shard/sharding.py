@@ -111,7 +111,7 @@ class _Gather:
         self.compute = tuple(Replicate() for _ in range(mesh.ndim))
         self.grad = tuple(Partial("avg") for _ in range(mesh.ndim))
         self.shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
-        # HSDP: False while accumulating (accumulation.py): the traced backward leaves the
+        # HSDP: False while accumulating (runtime/accumulation.py): the traced backward leaves the
         # replica all-reduce out. Dynamo guards on it, so each value has its own graph.
         self.all_reduce = True
 
@@ -154,7 +154,7 @@ class _Gather:
             param.to_local(), self.mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
         # while accumulating (``all_reduce`` False) the shard's gradient stays this
-        # replica's own: no all-reduce in the graph (accumulation.py reduces the sum later)
+        # replica's own: no all-reduce in the graph (runtime/accumulation.py reduces the sum later)
         replica = Partial("avg") if self.all_reduce else Replicate()
         local = replicated.to_local(grad_placements=(replica, Shard(0)))
         shard = DTensor.from_local(
