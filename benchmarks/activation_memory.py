@@ -2,7 +2,7 @@
 
 Two gloo ranks on loopback (one thread each) train a model in every mode below; for
 each, per rank: the tensors the forward saves for backward (count and bytes, measured
-with ``fsdp_overlap_plugin.memory.SavedActivations``: the peak of saved-activation
+with ``fsdp_overlap_plugin.runtime.memory.SavedActivations``: the peak of saved-activation
 memory, since backward releases them) and the median step time. Modes are timed
 interleaved over repetitions, so drift hits them alike; ratios are against ``off``
 measured in the same run.
@@ -85,7 +85,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.memory import SavedActivations
+    from fsdp_overlap_plugin.runtime.memory import SavedActivations
 
     size = SIZES["quick" if args.quick else "full"]
     _, _, _, seq, batch, vocab = size

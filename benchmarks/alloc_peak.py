@@ -41,14 +41,15 @@ def child(mode: str, model: str, size: str, batch: int, top: int, overrides: dic
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import step_time
+    from _harness.models import vocab_and_seq
+    from _harness.runners import make_runner
 
     from fsdp_overlap_plugin.models import fixed_batches
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    runner = step_time.make_runner(mode, model, size, {}, 0.0, 2, overrides=overrides)
-    vocab, seq = step_time.vocab_and_seq(model, size)
+    runner = make_runner(mode, model, size, {}, 0.0, 2, overrides=overrides)
+    vocab, seq = vocab_and_seq(model, size)
     x, y = fixed_batches(1, batch, seq, vocab, seed=7)[0]
     opt = torch.optim.SGD(runner.model.parameters(), lr=0.01)
 

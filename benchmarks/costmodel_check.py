@@ -43,13 +43,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fsdp_overlap_plugin.costmodel import _GPU_FLOPS, simulate  # noqa: E402
-from fsdp_overlap_plugin.records import current  # noqa: E402
+from _harness.costmodel import HOST, fsdp2_on_cpu, gloo_native, schedule  # noqa: E402
+
+from fsdp_overlap_plugin.config.hardware import _GPU_FLOPS  # noqa: E402
+from fsdp_overlap_plugin.report.costmodel import simulate  # noqa: E402
 
 LINK_RATES = {"300mbit": 300e6 / 8, "100mbit": 100e6 / 8}
 PREDICTED_MODES = ("fsdp2-eager", "compiled", "both", "both+prefetch-2")
-# The host terms, fitted on benchmarks/RESULTS.md's GPT 300 Mbit run (--fit prints a new fit).
-HOST = {"latency": 0.002, "contention": 5.0, "send_first": 2.0}
 # gloo's all-gather and all-reduce send before they receive: on 2 ranks over one link, one
 # direction at a time, so they take twice the time of the receive-first all-to-alls
 # (benchmarks/RESULTS.md, "receive_first by default"). Not fitted: the half-duplex factor.
@@ -71,43 +71,6 @@ GPU_FLOPS_PER_STEP = 8.86e9 * 16384
 GPU_PARAMS = 1_347_014_656
 GPU_MEM = 4.8e12  # H200 HBM3e bytes/s, for the AdamW step (28 bytes per parameter)
 EAGER_COMPUTE = 0.291 / 0.277  # predict_scale.py's eager factor: measured on these same rows
-
-
-def _records(report: dict, kind: str) -> list[dict]:
-    running = current(report.get("graphs") or [], True)
-    return [r for r in running if r["graph"] == kind and not r.get("inference") and "schedule" in r]
-
-
-def schedule(report: dict, phase: str) -> dict[str, list[dict]]:
-    return {kind: _records(report, kind)[0]["schedule"][phase] for kind in ("forward", "backward")}
-
-
-def gloo_native(events: list[dict]) -> list[dict]:
-    """gloo's reduce_scatter_tensor: a clone plus a full all-reduce."""
-    return [dict(e, op="all_reduce") if e["op"] == "reduce_scatter" else e for e in events]
-
-
-def fsdp2_on_cpu(after: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """FSDP2's eager order on a CPU, from the defaults' bucketed schedule: the forward's
-    gathers move to just before their waits (nothing runs ahead of the Python thread), the
-    backward keeps its one-ahead prefetch (FSDP2 prefetches in backward), each gradient
-    reduce-scatter (gloo's: an all-reduce) is waited at once."""
-    launches = {e["name"]: e for e in after["forward"] if e["op"] not in ("compute", "wait")}
-    forward = []
-    for e in after["forward"]:
-        if e["op"] == "wait":
-            forward += [launches[e["of"]], e]
-        elif e["op"] == "compute":
-            forward.append(e)
-    backward = []
-    for e in after["backward"]:
-        if e["op"] in ("all_to_all", "reduce_scatter"):
-            backward += [dict(e, op="all_reduce"), {"op": "wait", "name": "w_" + e["name"], "of": e["name"]}]
-        elif e["op"] == "wait" and (e.get("of") or "").startswith(("all_to_all", "reduce_scatter")):
-            continue
-        else:
-            backward.append(e)
-    return {"forward": forward, "backward": backward}
 
 
 def play(graphs: dict[str, list[dict]], rates: dict) -> float:

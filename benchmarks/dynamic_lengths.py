@@ -44,7 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import step_time
+from _harness.launch import run_workers
+from _harness.models import BATCH_PER_RANK, LR, build_model, loss_for, parse_lengths, vocab_and_seq
+from _harness.tables import time_stats
 
 MODELS = ("gpt", "hf-llama", "gpt-tiny")
 MODES = ("static", "dynamic")
@@ -63,7 +65,7 @@ def default_warm_lengths(length: int) -> list[int]:
 
 def launch(worker_args: list[str], out_dir: Path, timeout: float, env_extra: dict) -> list[dict]:
     """Two ranks on loopback; their JSON back, or SystemExit with the logs' tails."""
-    return step_time.run_workers(__file__, worker_args, out_dir, timeout, False, env_extra, "dynamic_lengths")
+    return run_workers(__file__, worker_args, out_dir, timeout, False, env_extra, "dynamic_lengths")
 
 
 def summarize(results: list[dict]) -> dict:
@@ -76,7 +78,7 @@ def summarize(results: list[dict]) -> dict:
         for mode in MODES:
             data = r0["modes"][mode]
             rows[mode] = {
-                **step_time.time_stats(data["times"]),
+                **time_stats(data["times"]),
                 "rep_medians_s": [statistics.median(t) for t in data["rep_times"]],
                 "compiles": [res["models"][name]["modes"][mode]["compiles"] for res in results],
                 "compile_steps_s": data["compile_steps_s"],
@@ -160,7 +162,7 @@ def main() -> None:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)}")
-    warm = step_time.parse_lengths(args.warm_lengths) if args.warm_lengths else None
+    warm = parse_lengths(args.warm_lengths) if args.warm_lengths else None
     if warm is not None and (len(warm) != 2 or len(set(warm)) != 2 or args.length in warm):
         parser.error("--warm-lengths: two different lengths, neither of them --length")
     worker_args = ["--models", ",".join(models), "--steps", str(args.steps), "--reps", str(args.reps)]
@@ -169,7 +171,7 @@ def main() -> None:
     if warm:
         worker_args += ["--warm-lengths", ",".join(map(str, warm))]
     header = (
-        f"dynamic_lengths: 2 gloo ranks on loopback, one thread each, batch {step_time.BATCH_PER_RANK}/rank, SGD,"
+        f"dynamic_lengths: 2 gloo ranks on loopback, one thread each, batch {BATCH_PER_RANK}/rank, SGD,"
         f" inductor, default config; static (dynamic: false, warmed at L) vs dynamic (dynamic: auto, warmed at two"
         f" other lengths, then L); {args.reps} x {args.steps} timed steps per mode, alternating"
     )
@@ -199,10 +201,10 @@ def build(name: str):
 
         torch.manual_seed(0)
         model = gpt_small()
-        return model, step_time.loss_for("gpt", model), TINY["vocab"], TINY["seq"]
-    model = step_time.build_model(name, "small")
-    vocab, seq = step_time.vocab_and_seq(name, "small")
-    return model, step_time.loss_for(name, model), vocab, seq
+        return model, loss_for("gpt", model), TINY["vocab"], TINY["seq"]
+    model = build_model(name, "small")
+    vocab, seq = vocab_and_seq(name, "small")
+    return model, loss_for(name, model), vocab, seq
 
 
 class Runner:
@@ -213,12 +215,12 @@ class Runner:
         import torch
 
         import fsdp_overlap_plugin as fo
-        from fsdp_overlap_plugin.state import get_state
+        from fsdp_overlap_plugin.runtime.state import get_state
 
         self.model, self.loss, self.vocab, self.seq = build(name)
         fo.parallelize(self.model, CONFIGS[mode])
         self.state = get_state(self.model)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=step_time.LR)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
         self.world = world
 
     def step(self, batch, update: bool = True) -> tuple[float, int]:
@@ -226,7 +228,7 @@ class Runner:
         import torch.distributed as dist
 
         rank = dist.get_rank()
-        x, y = (t[rank * step_time.BATCH_PER_RANK : (rank + 1) * step_time.BATCH_PER_RANK] for t in batch)
+        x, y = (t[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for t in batch)
         before = self.state.dynamo_graphs
         loss = self.loss(x, y)
         loss.backward()
@@ -239,7 +241,7 @@ class Runner:
 def batches(length: int, count: int, vocab: int, world: int, seed: int):
     from fsdp_overlap_plugin.models import fixed_batches
 
-    return fixed_batches(count, step_time.BATCH_PER_RANK * world, length, vocab, seed=seed)
+    return fixed_batches(count, BATCH_PER_RANK * world, length, vocab, seed=seed)
 
 
 def run_model(name: str, args: argparse.Namespace, world: int, log) -> dict:
@@ -247,7 +249,7 @@ def run_model(name: str, args: argparse.Namespace, world: int, log) -> dict:
 
     _, _, vocab, seq = build(name)
     length = args.length or seq
-    warm = step_time.parse_lengths(args.warm_lengths) if args.warm_lengths else default_warm_lengths(length)
+    warm = parse_lengths(args.warm_lengths) if args.warm_lengths else default_warm_lengths(length)
     if length > seq or max(warm) > seq:
         raise SystemExit(f"{name}: lengths up to {seq} (its positions)")
     timed = batches(length, args.reps * args.steps, vocab, world, seed=11)

@@ -1,6 +1,6 @@
 """Peak memory of ``fsdp-overlap export`` on a checkpoint many times larger than that peak.
 
-Writes a ``torch.distributed.checkpoint`` folder in ``fsdp_overlap_plugin.checkpoint.save``'s
+Writes a ``torch.distributed.checkpoint`` folder in ``fsdp_overlap_plugin.shard.checkpoint.save``'s
 layout (``{"model": state_dict}``) for a transformers Llama built from a config (2048 wide,
 ``--layers`` decoder layers, vocabulary ``--vocab``, untied, fp32: 11.8 GB at the default 64
 layers and vocabulary 16384),
@@ -39,7 +39,7 @@ def build_checkpoint(root: Path, layers: int, vocab: int) -> tuple[Path, Path, i
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig
 
-    from fsdp_overlap_plugin.hf import model_from_config
+    from fsdp_overlap_plugin.shard.hf import model_from_config
 
     config = LlamaConfig(
         vocab_size=vocab,

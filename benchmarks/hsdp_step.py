@@ -29,7 +29,7 @@ timed, interleaved with the other modes over repetitions:
 After the timed steps each rank measures its links with no compute (both groups of a
 kind at once, as a step runs them): the shard groups' all-to-all and the replicate
 groups' all-reduce; then the peak memory of each sharded mode's step
-(``step_time.measure_step_memory``: parameter shards, gradients and buffers held, plus
+(``_harness.memory.measure_step_memory``: parameter shards, gradients and buffers held, plus
 the most resident memory the step added: VmHWM after a reset minus VmRSS at the step's
 start; the workers run with ``MALLOC_MMAP_THRESHOLD_=65536``, as step_time's
 ``--memory`` does, so RSS follows the bytes alive).
@@ -37,10 +37,10 @@ start; the workers run with ``MALLOC_MMAP_THRESHOLD_=65536``, as step_time's
 Predicted steps (``costmodel.simulate``): each compiled mode's recorded schedule (rank 0's
 report), the replica all-reduces on the cost model's inter-node lane (``inter_link``),
 the shard collectives on its link lane; hsdp-eager as FSDP2 runs on a CPU
-(``costmodel_check.fsdp2_on_cpu``: forward gathers waited before their layer, backward
+(``_harness.costmodel.fsdp2_on_cpu``: forward gathers waited before their layer, backward
 gathers one ahead, each reduce-scatter then its replica all-reduce waited at once).
 Compute: the FLOPs the schedule records over the compute-only step (eager: the
-compute-only-eager step); host terms: ``costmodel_check.HOST`` (fitted on the 2-rank
+compute-only-eager step); host terms: ``_harness.costmodel.HOST`` (fitted on the 2-rank
 runs). Two link sets: ``measured`` (each lane at the rate its probe achieved, in the
 model's units) and ``nominal`` (inter_link from the tc rate: the cpu-gloo-300mbit
 preset's link calibration, 425/300 of the tc rate, halved for the two replicate groups
@@ -59,18 +59,24 @@ so. The namespaces are removed on exit, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import step_time
-from costmodel_check import HOST, fsdp2_on_cpu, gloo_native, schedule
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
+
+from _harness import launch, netns  # noqa: E402
+from _harness.costmodel import HOST, fsdp2_on_cpu, gloo_native, schedule  # noqa: E402
+from _harness.memory import MMAP_THRESHOLD, measure_step_memory  # noqa: E402
+from _harness.models import BATCH_PER_RANK, MODEL_SIZES, _data, loss_for  # noqa: E402
+from _harness.netns import parse_rate  # noqa: E402
+from _harness.runners import ModelRunner  # noqa: E402
 
 MODES = ["hsdp-eager", "passes-off", "defaults", "compute-only", "compute-only-eager"]
 SHARDED = ("hsdp-eager", "passes-off", "defaults")
@@ -83,17 +89,12 @@ PORT = "29657"
 # the cpu-gloo-300mbit preset's link: 425 Mbit/s in the model's lane on a 300 Mbit tc link
 PRESET_LINK_SHARE = 425 / 300
 # step_time's GPT sizes, and a tiny one for the smoke test
-SIZES = {**step_time.MODEL_SIZES, "tiny": (64, 2, 4, 128, 32)}
+SIZES = {**MODEL_SIZES, "tiny": (64, 2, 4, 128, 32)}
 PROBE_BYTES = 4 * 2**20
 PROBE_REPS = 3
 
 
 # =============================================================================== parent
-def parse_rate(text: str) -> float:
-    """'300mbit' -> bits per second."""
-    return step_time.parse_rate(text)
-
-
 def node_of(rank: int) -> int:
     """The namespace ("node") a rank runs in: its row of the (replicate, shard) mesh, so a
     shard group stays inside one node and a replicate group spans both."""
@@ -107,51 +108,23 @@ def mesh_groups() -> tuple[list[list[int]], list[list[int]]]:
     return rows, [list(col) for col in zip(*rows)]
 
 
-class Namespaces:
-    """Two network namespaces joined by one shaped veth pair; removed on every exit path."""
+class Namespaces(netns.Namespaces):
+    """Two network namespaces joined by one shaped veth pair (this script's names: NETNS,
+    VETH, ADDRS); removed on every exit path."""
 
     def __init__(self, rate: str):
-        self.rate = rate
-
-    available = staticmethod(step_time.Namespaces.available)
-
-    @staticmethod
-    def _run(*cmd: str) -> None:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-    def __enter__(self) -> Namespaces:
-        self.remove()  # leftovers of an interrupted earlier run
-        atexit.register(self.remove)
-        for ns in NETNS:
-            self._run("ip", "netns", "add", ns)
-        self._run("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-        for ns, dev, addr in zip(NETNS, VETH, ADDRS):
-            self._run("ip", "link", "set", dev, "netns", ns)
-            self._run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            self._run("ip", "-n", ns, "link", "set", dev, "up")
-            self._run("ip", "-n", ns, "link", "set", "lo", "up")
-            shape = ("root", "tbf", "rate", self.rate, "burst", "64kb", "latency", "200ms")
-            self._run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, *shape)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    @staticmethod
-    def remove() -> None:
-        for ns in NETNS:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # also deletes its veth end
+        super().__init__(rate, NETNS, VETH, ADDRS)
 
 
 def run_workers(worker_args: list[str], out_dir: Path, timeout: float, use_netns: bool) -> list[dict]:
     """This script's ``--worker`` as ranks 0-3 (two per namespace, or all on loopback):
-    step_time's launcher with this script's namespaces; their ``rank<r>.json`` back, or
+    _harness.launch.run_workers with this script's namespaces; their ``rank<r>.json`` back, or
     SystemExit with the tails of their logs."""
     env = {
         "TORCHINDUCTOR_COMPILE_THREADS": "1",  # four ranks on few cores: no compile pools
-        "MALLOC_MMAP_THRESHOLD_": str(step_time.MMAP_THRESHOLD),
+        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
     }
-    return step_time.run_workers(
+    return launch.run_workers(
         __file__,
         worker_args,
         out_dir,
@@ -178,7 +151,7 @@ def on_lanes(events: list[dict]) -> list[dict]:
     (``costmodel.hsdp_lanes``): the replica all-reduces on the inter-node lane, every
     other collective on the shard link (an event's own ``lane`` first: gloo's
     reduce-scatter, played as an all-reduce, stays on the shard link)."""
-    from fsdp_overlap_plugin.costmodel import hsdp_lanes
+    from fsdp_overlap_plugin.report.costmodel import hsdp_lanes
 
     return hsdp_lanes(events, [MESH["replicate"], MESH["shard"]])
 
@@ -221,7 +194,7 @@ def native(events: list[dict]) -> list[dict]:
 
 def play(graphs: dict[str, list[dict]], rates: dict) -> dict:
     """Predicted seconds per graph and in all, each graph played on the two lanes."""
-    from fsdp_overlap_plugin.costmodel import simulate
+    from fsdp_overlap_plugin.report.costmodel import simulate
 
     out = {kind: simulate(on_lanes(events), world=MESH["shard"], **rates) for kind, events in graphs.items()}
     return {
@@ -408,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = (
         f"hsdp_step: 4 ranks, mesh replicate 2 x shard 2, over {where}; "
-        f"{describe_model(args.model_size)}, batch {step_time.BATCH_PER_RANK}/rank, SGD, {args.backend}; "
+        f"{describe_model(args.model_size)}, batch {BATCH_PER_RANK}/rank, SGD, {args.backend}; "
         f"{args.reps} x {args.steps} timed steps per mode"
     )
     print(header, flush=True)
@@ -454,23 +427,23 @@ def build_model(size: str):
     return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d))
 
 
-def make_runner(mode: str, size: str, world: int, backend: str = "inductor") -> step_time.ModelRunner:
+def make_runner(mode: str, size: str, world: int, backend: str = "inductor") -> ModelRunner:
     import fsdp_overlap_plugin as fo
 
     model = build_model(size)
-    loss = step_time.loss_for("gpt", model)
+    loss = loss_for("gpt", model)
     if mode == "compute-only-eager":
-        return step_time.ModelRunner(model, world=1, loss=loss)
+        return ModelRunner(model, world=1, loss=loss)
     if mode == "compute-only":
         model.compile(backend=backend, fullgraph=True)
-        return step_time.ModelRunner(model, world=1, loss=loss)
+        return ModelRunner(model, world=1, loss=loss)
     config = {
         "hsdp-eager": {"compile": False},
         "passes-off": {"manual_bucketing": False, "overlap_grad_reduce": False, "reduce_scatter_impl": "native"},
         "defaults": {},
     }[mode]
     fo.parallelize(model, {**config, "mesh": dict(MESH), "backend": backend})
-    return step_time.ModelRunner(model, world, loss=loss)
+    return ModelRunner(model, world, loss=loss)
 
 
 def probe_links(groups: tuple[list[list[int]], list[list[int]]], rank: int) -> dict:
@@ -511,8 +484,8 @@ def worker(args: argparse.Namespace) -> None:
     modes = args.modes.split(",")
     vocab, seq = SIZES[args.model_size][3:]
     extra = 0 if args.no_memory else 3 * len(SHARDED)
-    data = step_time._data(vocab, seq, world, args.warmup + args.reps * args.steps + extra + 1)
-    runners: dict[str, step_time.ModelRunner] = {}
+    data = _data(vocab, seq, world, args.warmup + args.reps * args.steps + extra + 1)
+    runners: dict[str, ModelRunner] = {}
     results = {m: {"times": [], "losses": [], "rep_means_s": []} for m in modes}
     index = dict.fromkeys(modes, 0)
     out: dict = {"rank": rank, "modes": results}
@@ -559,7 +532,7 @@ def worker(args: argparse.Namespace) -> None:
         out["memory"] = {}
         for mode in [m for m in modes if m in SHARDED]:
             batches = data[index[mode] : index[mode] + 3]
-            out["memory"][mode] = step_time.measure_step_memory(runners[mode], batches, dist.barrier)
+            out["memory"][mode] = measure_step_memory(runners[mode], batches, dist.barrier)
             log(f"[{mode}] peak {out['memory'][mode]['peak_bytes'] / 2**20:.1f} MiB (rank 0)")
     import resource
 

@@ -2,7 +2,7 @@
 (one NVLink node) and on 4 nodes of 8 H100s over InfiniBand 400G (HSDP: shard inside a
 node, replicate across nodes), for the plugin's defaults, eager FSDP2 and FSDP2 +
 torch.compile, beside torchtitan's published tokens/s per GPU. A PREDICTION from the cost
-model (``fsdp_overlap_plugin.costmodel``), not a measurement: the method and its measured
+model (``fsdp_overlap_plugin.report.costmodel``), not a measurement: the method and its measured
 error are in benchmarks/RESULTS.md ("The cost model, calibrated").
 
     python benchmarks/predict_scale.py                 # the table (a few seconds, CPU, nothing downloaded)
@@ -68,7 +68,7 @@ def build(layers: int, seq: int):
     import torch
     from transformers import LlamaConfig
 
-    from fsdp_overlap_plugin.hf import model_from_config
+    from fsdp_overlap_plugin.shard.hf import model_from_config
 
     config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max(seq, 8192), **LLAMA3_8B)
     config._attn_implementation = "sdpa"
@@ -77,10 +77,10 @@ def build(layers: int, seq: int):
 
 
 def predict(args: argparse.Namespace) -> dict:
-    from fsdp_overlap_plugin import costmodel
     from fsdp_overlap_plugin.cli.predict import bucket_costs
-    from fsdp_overlap_plugin.config import OverlapConfig
-    from fsdp_overlap_plugin.plan import resolve_plan
+    from fsdp_overlap_plugin.config.plan import resolve_plan
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
+    from fsdp_overlap_plugin.report import costmodel
 
     model = build(args.layers, args.seq)
     params = sum(p.numel() for p in model.parameters())

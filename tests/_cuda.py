@@ -42,8 +42,14 @@ def nccl_world_of_one() -> contextlib.AbstractContextManager[None]:
 
 
 def gpu_check() -> ModuleType:
-    """``benchmarks/gpu_check.py`` as a module (its code-order checker is shared with tests)."""
+    """``benchmarks/gpu_check.py`` as a module."""
     benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
     if benchmarks not in sys.path:
         sys.path.insert(0, benchmarks)
     return importlib.import_module("gpu_check")
+
+
+def code_order() -> ModuleType:
+    """``benchmarks/_harness/code_order.py``: gpu_check's code-order checker, shared with tests."""
+    gpu_check()  # benchmarks/ on sys.path
+    return importlib.import_module("_harness.code_order")

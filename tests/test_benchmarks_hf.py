@@ -11,6 +11,8 @@ import _bench
 import pytest
 
 step_time = _bench.load("step_time")
+models = _bench.load("_harness.models")
+memory = _bench.load("_harness.memory")
 ROOT = _bench.ROOT
 
 
@@ -23,17 +25,17 @@ def test_hf_llama_builder_is_a_seeded_sdpa_llama_the_size_of_the_gpt():
     pytest.importorskip("transformers")
     from transformers import LlamaForCausalLM
 
-    model = step_time.build_model("hf-llama", "small")
-    again = step_time.build_model("hf-llama", "small")
-    gpt = step_time.build_model("gpt", "small")
+    model = models.build_model("hf-llama", "small")
+    again = models.build_model("hf-llama", "small")
+    gpt = models.build_model("gpt", "small")
     assert isinstance(model, LlamaForCausalLM) and model.training
     assert model.config._attn_implementation == "sdpa" and not model.config.tie_word_embeddings
-    hidden, layers, heads, kv, inter, vocab, seq = step_time.HF_LLAMA_SIZES["small"]
+    hidden, layers, heads, kv, inter, vocab, seq = models.HF_LLAMA_SIZES["small"]
     assert len(model.model.layers) == layers and model.config.vocab_size == vocab
     n = sum(p.numel() for p in model.parameters())
     assert 0.9 < n / sum(p.numel() for p in gpt.parameters()) < 1.1  # the GPT small's size
     assert all((a == b).all() for a, b in zip(model.parameters(), again.parameters()))  # same on every rank
-    assert step_time.block_plan("hf-llama", model) == [[f"model.layers.{i}"] for i in range(layers)]
+    assert models.block_plan("hf-llama", model) == [[f"model.layers.{i}"] for i in range(layers)]
     assert step_time.vocab_and_seq("hf-llama", "small") == (vocab, seq)
     assert "LlamaForCausalLM" in step_time.describe_model("hf-llama", "small")
 
@@ -42,8 +44,8 @@ def test_hf_llama_eager_step_gives_the_models_own_loss():
     pytest.importorskip("transformers")
     import torch
 
-    model = step_time.build_hf_llama(32, 2, 4, 2, 64, 64, 16)
-    runner = step_time.ModelRunner(model, world=1, loss=step_time.loss_for("hf-llama", model))
+    model = models.build_hf_llama(32, 2, 4, 2, 64, 64, 16)
+    runner = step_time.ModelRunner(model, world=1, loss=models.loss_for("hf-llama", model))
     batch = step_time._data(64, 16, 1, 1)[0]
     x = batch[0][: step_time.BATCH_PER_RANK]
     with torch.no_grad():
@@ -54,8 +56,8 @@ def test_hf_llama_eager_step_gives_the_models_own_loss():
 
 def test_step_allocation_peak_is_the_running_sums_maximum_in_time_order():
     events = [(3, -50), (1, 100), (2, 30), (5, 10), (4, -80)]  # unordered, as several threads report them
-    assert step_time.step_allocation_peak(events) == (130, 10)
-    assert step_time.step_allocation_peak([]) == (0, 0)
+    assert memory.step_allocation_peak(events) == (130, 10)
+    assert memory.step_allocation_peak([]) == (0, 0)
 
 
 def test_measure_step_memory_counts_parameters_gradients_and_activations():
@@ -65,7 +67,7 @@ def test_measure_step_memory_counts_parameters_gradients_and_activations():
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32))
-    runner = step_time.ModelRunner(model, world=1, loss=step_time.loss_for("gpt", model))
+    runner = step_time.ModelRunner(model, world=1, loss=models.loss_for("gpt", model))
     data = step_time._data(64, 16, 1, 4)
     runner.step(data[0])
     mem = step_time.measure_step_memory(runner, data[1:], lambda: None)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cuda import gpu_check
+from _cuda import code_order, gpu_check
 
 from fsdp_overlap_plugin.models import gpt_1b
 
 gc = gpu_check()
+co = code_order()
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SMALL = ["--n-layer", "3", "--d-model", "64", "--n-head", "4", "--vocab", "512", "--seq", "32"]
@@ -447,9 +448,9 @@ SYNTHETIC = textwrap.dedent(
 
 
 def test_gather_windows_read_launch_wait_compute_and_size():
-    windows = gc.gather_windows(SYNTHETIC)
+    windows = co.gather_windows(SYNTHETIC)
     assert [(w.buf, w.numel, w.compute) for w in windows] == [("buf1", 512 * 32, 0), ("buf4", 100, 0), ("buf7", 100, 2)]
-    assert gc.check_code_order(SYNTHETIC, [16384, 100, 100], [False, False, True], "forward") == []
+    assert co.check_code_order(SYNTHETIC, [16384, 100, 100], [False, False, True], "forward") == []
 
 
 def test_gather_windows_read_merged_all_gathers_that_write_into_their_output():
@@ -467,13 +468,13 @@ def test_gather_windows_read_merged_all_gathers_that_write_into_their_output():
         torch.ops._c10d_functional.wait_tensor.default(buf9)
         """
     )  # fmt: skip
-    windows = gc.gather_windows(code)
+    windows = co.gather_windows(code)
     assert [(w.buf, w.numel, w.compute) for w in windows] == [("buf0", 20480, 0), ("buf9", 49984, 1)]
-    assert gc.check_code_order(code, [20480, 49984], [False, True], "forward") == []
+    assert co.check_code_order(code, [20480, 49984], [False, True], "forward") == []
 
 
 def test_code_order_checker_reports_each_kind_of_problem():
-    check = gc.check_code_order
+    check = co.check_code_order
     assert check(SYNTHETIC, [16384, 100], [False] * 2, "forward") == [
         "forward: 3 all-gathers in the generated code, 2 planned"
     ]
@@ -498,14 +499,14 @@ def test_gather_numel_pads_each_parameter_to_the_world():
     with torch.device("meta"):
         model = gpt_1b(n_layer=1, d_model=8, n_head=2, vocab_size=11, block_size=4)
     # tok_emb: 11 rows -> 12 on 2 ranks, 12 on 3 ranks, 12 on 4 ranks; pos_emb: 4 rows
-    assert gc.gather_numel(model, ["tok_emb"], 2) == 12 * 8
-    assert gc.gather_numel(model, ["tok_emb", "pos_emb"], 3) == 12 * 8 + 6 * 8
-    assert gc.gather_numel(model, ["blocks.0"], 1) == _block(8)  # no padding on one rank
+    assert co.gather_numel(model, ["tok_emb"], 2) == 12 * 8
+    assert co.gather_numel(model, ["tok_emb", "pos_emb"], 3) == 12 * 8 + 6 * 8
+    assert co.gather_numel(model, ["blocks.0"], 1) == _block(8)  # no padding on one rank
     # weight shapes (rows, cols): qkv (24, 8), proj (8, 8), fc (32, 8), mlp proj (8, 32)
     weights = 24 * 8 + 9 * 8 + 33 * 8 + 9 * 32  # rows padded to a multiple of 3
     biases = 24 + 9 + 33 + 9
     norms = 4 * 9  # two LayerNorms, weight and bias, 8 -> 9
-    assert gc.gather_numel(model, ["blocks.0"], 3) == weights + biases + norms == 927
+    assert co.gather_numel(model, ["blocks.0"], 3) == weights + biases + norms == 927
 
 
 @pytest.fixture(scope="module")
@@ -550,7 +551,7 @@ def test_code_order_phase_passes_on_cpu_inductor_code(cpu_code):
 def test_code_order_checker_catches_a_late_prefetch_in_real_code(cpu_code):
     _, result = cpu_code
     code = result["codes"][0]
-    windows = gc.gather_windows(code)
+    windows = co.gather_windows(code)
     lines = code.splitlines()
     # move blocks.1's launch to just after blocks.0's wait (a merged all-gather writes into
     # its out= buffer, an unmerged one's size assert follows it and moves with it)
@@ -561,7 +562,7 @@ def test_code_order_checker_catches_a_late_prefetch_in_real_code(cpu_code):
     wait = next(i for i, line in enumerate(lines) if f"wait_tensor.default({windows[1].buf})" in line)
     lines[wait + 1 : wait + 1] = moved
     expected = result["expected"]
-    problems = gc.check_code_order("\n".join(lines), expected["forward"], expected["forward_needs_compute"], "forward")
+    problems = co.check_code_order("\n".join(lines), expected["forward"], expected["forward_needs_compute"], "forward")
     assert any("all-gather 2" in p and "launches after all-gather 1's wait" in p for p in problems), problems
 
 

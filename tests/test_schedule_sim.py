@@ -5,7 +5,7 @@ from __future__ import annotations
 import _bench
 import pytest
 
-sim = _bench.load("schedule_sim")
+sim = _bench.load("_harness.schedule_sim")
 step_time = _bench.load("step_time")
 
 AG, A2A, WAIT = "_c10d_functional::all_gather_into_tensor_out", "_c10d_functional::all_to_all_single", sim.WAIT

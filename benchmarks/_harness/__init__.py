@@ -1,0 +1,14 @@
+"""What the benchmark scripts share, one job per module (the scripts run as
+``python benchmarks/X.py``, so ``benchmarks/`` is on ``sys.path``):
+
+    netns         link shaping: network namespaces, a veth pair, ``tc`` rates
+    launch        gloo ranks as processes (in the namespaces or on loopback), results back
+    models        the model zoo (GPT, transformers Llama) by size, losses, fixed batches
+    runners       step_time.py's modes: one mode's model and step, the comm-only replay
+    memory        memory probes: resident memory, a model's state, one step's peak
+    trace         a step's link activity, threads' CPU time, profiler trace, collectives
+    schedule_sim  a traced step's schedule replayed over a modelled link
+    costmodel     the plugin's schedule records as cost-model input (gloo, FSDP2 on CPU)
+    tables        summary statistics the tables print
+    code_order    gpu_check.py's code-order oracle: all-gathers in inductor's code
+"""

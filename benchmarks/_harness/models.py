@@ -1,0 +1,112 @@
+"""The benchmarks' model zoo: the repo GPT and a transformers Llama by size, their losses
+and block plans, and the fixed batches every rank and mode trains on."""
+
+from __future__ import annotations
+
+MODEL_SIZES = {
+    # name: (d_model, n_layer, n_head, vocab, seq); ~parameters in the comment
+    "small": (256, 4, 8, 512, 128),  # 3.4M
+    "medium": (256, 8, 8, 512, 128),  # 6.6M
+    "large": (384, 8, 8, 1024, 128),  # 15M
+}
+MODELS = ("gpt", "hf-llama")
+HF_LLAMA_SIZES = {
+    # name: (hidden, layers, heads, kv_heads, intermediate, vocab, seq); ~parameters in the comment
+    # small: the GPT small's compute (one thread: 1.00 x its compiled step, measured interleaved)
+    "small": (256, 4, 8, 4, 768, 512, 128),  # 3.4M
+    "medium": (256, 8, 8, 4, 768, 512, 128),  # 6.6M
+    "large": (384, 8, 8, 4, 1024, 1024, 128),  # 13.8M
+}
+BLOCKS = {"gpt": "blocks", "hf-llama": "model.layers"}  # container of the repeated blocks
+BATCH_PER_RANK = 8
+LR = 0.05
+
+
+def model_shape(model: str, size: str) -> tuple:
+    """The size's tuple for ``model`` (``MODEL_SIZES`` or ``HF_LLAMA_SIZES``)."""
+    return (MODEL_SIZES if model == "gpt" else HF_LLAMA_SIZES)[size]
+
+
+def vocab_and_seq(model: str, size: str) -> tuple[int, int]:
+    shape = model_shape(model, size)
+    return shape[-2], shape[-1]
+
+
+def describe_model(model: str, size: str) -> str:
+    if model == "gpt":
+        d, layers, heads, vocab, seq = MODEL_SIZES[size]
+        return f"model gpt {size} (d={d}, {layers} blocks, {heads} heads, vocab {vocab}, seq {seq}"
+    hidden, layers, heads, kv, inter, vocab, seq = HF_LLAMA_SIZES[size]
+    return (
+        f"model hf-llama {size} (transformers LlamaForCausalLM, sdpa attention, hidden {hidden}, {layers} layers, "
+        f"{heads} heads / {kv} kv heads, MLP {inter}, vocab {vocab} untied, seq {seq}"
+    )
+
+
+def build_model(model: str, size: str):
+    """The model, seeded: identical on every rank and in every mode."""
+    import torch
+
+    torch.manual_seed(0)
+    if model == "gpt":
+        from fsdp_overlap_plugin.models import GPT, GPTConfig
+
+        d, layers, heads, vocab, seq = MODEL_SIZES[size]
+        return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d))
+    return build_hf_llama(*HF_LLAMA_SIZES[size])
+
+
+def build_hf_llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seq: int):
+    """A transformers ``LlamaForCausalLM`` from a ``LlamaConfig`` (nothing downloaded):
+    sdpa attention (one graph under our compile, as the tests' Llama uses), untied head,
+    no KV cache, dropout off (Llama's default); in train mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def loss_for(model_name: str, model):
+    """``loss(x, y)`` for one batch: the GPT's cross-entropy against ``y``; the transformers
+    model's own causal-LM loss (``labels=x``, shifted inside: the same targets as ``y``)."""
+    if model_name == "gpt":
+        from fsdp_overlap_plugin.models import loss_fn
+
+        return lambda x, y: loss_fn(model(x), y)
+    return lambda x, y: model(input_ids=x, labels=x).loss
+
+
+def block_plan(model_name: str, model) -> list[list[str]]:
+    """One bucket per repeated block (embeddings, final norm and head left to the root)."""
+    container = BLOCKS[model_name]
+    return [[f"{container}.{i}"] for i in range(len(model.get_submodule(container)))]
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'64,96,128' -> [64, 96, 128]."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _data(vocab: int, seq: int, world: int, steps: int, lengths: list[int] | None = None):
+    """The fixed batches (the same on every rank and in every mode); with ``lengths``,
+    batch k cut to ``lengths[k % len(lengths)]`` tokens."""
+    from fsdp_overlap_plugin.models import fixed_batches
+
+    batches = fixed_batches(steps, BATCH_PER_RANK * world, seq, vocab, seed=7)
+    if not lengths:
+        return batches
+    cut = [lengths[k % len(lengths)] for k in range(steps)]
+    return [(x[:, :n].contiguous(), y[:, :n].contiguous()) for (x, y), n in zip(batches, cut)]
