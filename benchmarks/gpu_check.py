@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _suggest(word: str, choices: tuple[str, ...]) -> str:
-    from fsdp_overlap_plugin.config.schema import suggest
+    from fsdp_overlap_plugin.config.keys import suggest
 
     return suggest(word, choices)
 

@@ -53,10 +53,13 @@ __all__ = [
     "compile_fx",
     "control_deps_op",
     "custom_graph_pass_class",
+    "default_store",
     "detect_fake_mode",
     "dynamo_counters",
     "dynamo_unsupported_error",
     "eager_backward_lowering",
+    "foreach_copy_",
+    "fx_annotate",
     "inductor_cache_dir",
     "inductor_config",
     "inference_aware_pass_class",
@@ -65,6 +68,9 @@ __all__ = [
     "min_cut_partition",
     "patch_optimizer_state_dict",
     "process_group_rank",
+    "queue_backward_callback",
+    "register_process_group",
+    "resolve_process_group",
     "preserve_node_ordering",
     "register_bucketing_ops",
 ]
@@ -240,6 +246,47 @@ def _resolved_group(group_name: Any) -> Any | None:
         return _resolve_process_group(group_name)
     except (ImportError, RuntimeError, ValueError):
         return None
+
+
+def resolve_process_group(group_name: Any) -> Any | None:
+    """The process group registered under ``group_name`` in c10d's registry
+    (``torch._C._distributed_c10d._resolve_process_group``), or None where none is."""
+    return _resolved_group(group_name)
+
+
+def register_process_group(group_name: str, group: Any) -> None:
+    """Register ``group`` under ``group_name`` in c10d's registry (where functional
+    collectives look their group up by name), replacing a group registered there before
+    (``torch._C._distributed_c10d._register_process_group`` / ``_unregister_process_group``)."""
+    import torch._C._distributed_c10d as c10d
+
+    if _resolved_group(group_name) is not None:
+        c10d._unregister_process_group(group_name)
+    c10d._register_process_group(group_name, group)
+
+
+def default_store() -> Any:
+    """The default process group's store (``torch.distributed.distributed_c10d._get_default_store``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends
+    (``torch.autograd.Variable._execution_engine.queue_callback``)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy each of ``src`` into the matching ``dst`` in one call (``torch._foreach_copy_``)."""
+    torch._foreach_copy_(dst, src)
+
+
+def fx_annotate() -> Callable | None:
+    """``torch.fx.traceback.annotate`` (torch >= 2.9: Dynamo records the annotation in
+    ``node.meta["custom"]``), or None on an older torch."""
+    return _attr("torch.fx.traceback", "annotate")
 
 
 def process_group_rank(group_name: Any) -> int | None:

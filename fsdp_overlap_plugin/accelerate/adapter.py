@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._accelerate_compat import mark_prepared, prepared_objects
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..parallelize import parallelize
 from ..report.messages import install_excepthook
@@ -166,7 +167,7 @@ def prepare(
         materialize(model, device, on_uninitialized=cfg.on_uninitialized)
     _switch_optimizer_params(optimizers, old_names, model)
 
-    model._is_accelerate_prepared = True  # Accelerate's own flag: register the model, never wrap it
+    mark_prepared(model)  # Accelerate's own flag: register the model, never wrap it
     setattr(model, _SOURCE_ATTR, source)
     prepared = _prepare_with_accelerate(accelerator, model, objects)
     _install_checkpointing(accelerator, model, prepared)
@@ -250,8 +251,8 @@ def _prepare_with_accelerate(accelerator: Any, model: nn.Module, objects: tuple)
             result.append(obj)
     result = [accelerator.prepare_scheduler(o) if isinstance(o, LRScheduler) else o for o in result]
     for item in result:
-        if any(item is x for x in (*accelerator._dataloaders, *accelerator._optimizers, *accelerator._schedulers)):
-            item._is_accelerate_prepared = True
+        if any(item is x for x in prepared_objects(accelerator)):
+            mark_prepared(item)
     return result
 
 

@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, respell, suggest
+from .._accelerate_compat import launch_parser_actions
+from ..config.keys import suggest, unknown_key_message
+from ..config.schema import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, respell
 
 __all__ = [
     "ENV_VAR",
@@ -237,9 +239,7 @@ class FileSettings:
 
 
 def _known_accelerate_fsdp_keys() -> set[str]:
-    from accelerate.commands.launch import launch_command_parser
-
-    keys = {a.dest for a in launch_command_parser()._actions if a.dest.startswith("fsdp_")}
+    keys = {a.dest for a in launch_parser_actions() if a.dest.startswith("fsdp_")}
     return keys | {"fsdp_ignored_modules"}  # read by the launcher through getattr, not an option
 
 
@@ -293,8 +293,14 @@ def check_with_accelerate(data: dict, source: str) -> None:
     if unknown:
         key = str(unknown[0])
         raise OverlapConfigError(
-            f"{source}: unknown top-level key {key!r} (accelerate launch rejects it).{suggest(key, known)} "
-            "Plugin keys go under fsdp_config as fsdp_overlap_<key>."
+            unknown_key_message(
+                key,
+                known,
+                source=source,
+                what="top-level key",
+                reason=" (accelerate launch rejects it)",
+                tail="Plugin keys go under fsdp_config as fsdp_overlap_<key>.",
+            )
         )
     mixed = data.get("mixed_precision")
     if mixed is not None and not isinstance(mixed, str):
@@ -328,8 +334,15 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
             name = field_for(key)
             if name is None:
                 raise OverlapConfigError(
-                    f"{source}: fsdp_config.{raw_key}: unknown fsdp-overlap key.{suggest(key, plugin_keys())} "
-                    f"Valid keys: {', '.join(plugin_keys())}."
+                    unknown_key_message(
+                        key,
+                        plugin_keys(),
+                        source=source,
+                        where=f"fsdp_config.{raw_key}: ",
+                        shown="",
+                        what="fsdp-overlap key",
+                        tail=f"Valid keys: {', '.join(plugin_keys())}.",
+                    )
                 )
             if name in plugin:
                 raise OverlapConfigError(f"{source}: fsdp_config.{raw_key}: {key_for(name)} is set twice; keep one.")
@@ -339,8 +352,15 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
         else:
             # Accelerate would drop it silently, and so would we: say so instead.
             raise OverlapConfigError(
-                f"{source}: fsdp_config.{raw_key}: unknown key (neither an Accelerate FSDP key nor an "
-                f"fsdp-overlap key; accelerate launch would drop it silently).{suggest(key, sorted(known) + plugin_keys())}"
+                unknown_key_message(
+                    key,
+                    sorted(known) + plugin_keys(),
+                    source=source,
+                    where=f"fsdp_config.{raw_key}: ",
+                    shown="",
+                    reason=" (neither an Accelerate FSDP key nor an fsdp-overlap key; accelerate launch would drop "
+                    "it silently)",
+                )
             )
     if "mixed_precision" in data:
         accelerate["mixed_precision"] = data["mixed_precision"]
@@ -359,9 +379,16 @@ def split_accelerate_yaml(data: dict, source: str) -> FileSettings:
         if key not in _PARALLELISM_KEYS:
             # the launcher copies these keys onto its arguments as they are: any other is dropped
             raise OverlapConfigError(
-                f"{source}: parallelism_config.{key}: unknown key (accelerate launch would drop it silently)."
-                f"{suggest(key if key.startswith('parallelism_config_') else 'parallelism_config_' + key, _PARALLELISM_KEYS)} "
-                f"Valid keys: {', '.join(_PARALLELISM_KEYS)}."
+                unknown_key_message(
+                    key,
+                    _PARALLELISM_KEYS,
+                    source=source,
+                    where=f"parallelism_config.{key}: ",
+                    shown="",
+                    reason=" (accelerate launch would drop it silently)",
+                    lookup=key if key.startswith("parallelism_config_") else "parallelism_config_" + key,
+                    tail=f"Valid keys: {', '.join(_PARALLELISM_KEYS)}.",
+                )
             )
         accelerate[key] = value
     processes = data.get("num_processes")

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from accelerate.commands.launch import launch_command_parser
 
+from .._accelerate_compat import launch_parser_actions, validate_launch_command
 from ..config.schema import OverlapConfigError
 from .analysis import SMALL_BUCKET_BYTES
 from .errors import CliError
@@ -91,7 +92,7 @@ class LaunchArgs:
 def split_args(argv: list[str]) -> LaunchArgs:
     """Take our options from before the training script; keep everything else, in order."""
     # Accelerate's option strings that take a value (``--num_processes 2``)
-    takes_value = {s for a in launch_command_parser()._actions if a.nargs != 0 for s in a.option_strings}
+    takes_value = {s for a in launch_parser_actions() if a.nargs != 0 for s in a.option_strings}
     out, configs = LaunchArgs(), []
     i = 0
     while i < len(argv):
@@ -161,12 +162,11 @@ def launcher_environ(config: str, passthrough: list[str]) -> dict[str, str]:
 
 
 def _accelerate_environ(args: argparse.Namespace) -> dict[str, str]:
-    from accelerate.commands.launch import _validate_launch_command
     from accelerate.utils import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")  # "port in use": the launcher will say it, if still true
-        args, _, _ = _validate_launch_command(args)
+        args, _, _ = validate_launch_command(args)
         if (args.use_fsdp or args.use_megatron_lm or args.multi_gpu) and not args.cpu:
             return prepare_multi_gpu_env(args)  # launch_command's multi_gpu_launcher
         return prepare_simple_launcher_cmd_env(args)[1]

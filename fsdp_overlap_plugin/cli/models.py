@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config.schema import dtype_name, suggest
+from ..config.keys import suggest
+from ..config.schema import dtype_name
 from .errors import CliError
 
 __all__ = ["HF_PREFIX", "load_hf_model", "load_model", "parse_model_spec", "unaccepted_kwargs"]

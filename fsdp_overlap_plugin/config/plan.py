@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 
 from ..contract import check_disjoint
-from .schema import OverlapConfig, OverlapConfigError, suggest
+from .keys import suggest
+from .schema import OverlapConfig, OverlapConfigError
 
 __all__ = [
     "AutoPlan",

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..contract import AC_POLICIES, OverlapConfigError
+from .keys import check_keys, suggest
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -77,14 +78,6 @@ _DYNAMIC = ("auto", True, False)
 _ON_COMPILE_ERROR = ("raise", "eager")
 _ON_UNBUCKETED = ("error", "warn")
 ON_UNINITIALIZED = ("error", "warn")
-
-
-def suggest(word: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
-    """A ' Did you mean ...?' suffix naming the nearest valid choices, or ''."""
-    close = difflib.get_close_matches(str(word), list(choices), n=n, cutoff=0.5)
-    if not close:
-        return ""
-    return " Did you mean " + " or ".join(repr(c) for c in close) + "?"
 
 
 def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype | None:
@@ -386,12 +379,7 @@ class OverlapConfig:
             data = {}
         if not isinstance(data, dict):
             raise OverlapConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}.")
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in names:
-                raise OverlapConfigError(
-                    f"{source}: unknown key {key!r}.{suggest(str(key), names)} Valid keys: {', '.join(names)}."
-                )
+        check_keys(data, [f.name for f in dataclasses.fields(cls)], source=source)
         kwargs = dict(data)
         if "mesh" in kwargs:
             kwargs["mesh"] = _mesh_from_value(kwargs["mesh"], source)
@@ -697,12 +685,13 @@ def _mesh_from_value(value: Any, source: str) -> MeshConfig:
         return MeshConfig()
     if not isinstance(value, dict):
         raise OverlapConfigError(f"{source}: mesh: expected a mapping like {{shard: -1, replicate: 1}}, got {value!r}.")
-    names = [f.name for f in dataclasses.fields(MeshConfig)]
-    for key in value:
-        if key not in names:
-            raise OverlapConfigError(
-                f"{source}: unknown key 'mesh.{key}'.{suggest(str(key), names)} Valid keys: mesh.shard, mesh.replicate."
-            )
+    check_keys(
+        value,
+        [f.name for f in dataclasses.fields(MeshConfig)],
+        source=source,
+        shown=lambda key: f"'mesh.{key}'",
+        tail="Valid keys: mesh.shard, mesh.replicate.",
+    )
     return MeshConfig(**value)
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError, suggest
+from ..config.keys import suggest
+from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from ..parallelize import parallelize
 from ..report.messages import install_excepthook
 from ..runtime import devices

@@ -39,7 +39,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import OverlapConfig, OverlapConfigError, respell, suggest
+from .._lightning_compat import accelerator_connector, unified_precision
+from ..config.keys import check_keys, suggest, unknown_key_message
+from ..config.schema import OverlapConfig, OverlapConfigError, respell
 from ._common import config_for_precision, precision_of
 from .trainer import FSDPOverlapStrategy
 
@@ -97,8 +99,15 @@ def _section(data: dict, source: str) -> tuple[dict, str]:
     if unknown:
         key = str(unknown[0])
         raise OverlapConfigError(
-            f"{source}: unknown top-level key {prefix + key!r} (LightningCLI rejects it).{suggest(key, CLI_KEYS)} "
-            f"LightningCLI's keys: {', '.join(CLI_KEYS)}."
+            unknown_key_message(
+                key,
+                CLI_KEYS,
+                source=source,
+                shown=repr(prefix + key),
+                what="top-level key",
+                reason=" (LightningCLI rejects it)",
+                tail=f"LightningCLI's keys: {', '.join(CLI_KEYS)}.",
+            )
         )
     return data, prefix
 
@@ -106,12 +115,14 @@ def _section(data: dict, source: str) -> tuple[dict, str]:
 def _check_keys(mapping: dict, allowed: list[str], where: str, source: str, note: str = "") -> None:
     """Unknown keys, named with the nearest valid one (the parser below would reject them
     too, with the key but no suggestion)."""
-    for key in mapping:
-        if key not in allowed:
-            raise OverlapConfigError(
-                f"{source}: unknown key {f'{where}.{key}'!r}.{suggest(str(key), allowed)}{note} "
-                f"Valid keys under {where}: {', '.join(allowed)}."
-            )
+    check_keys(
+        mapping,
+        allowed,
+        source=source,
+        shown=lambda key: repr(f"{where}.{key}"),
+        note=note,
+        tail=f"Valid keys under {where}: {', '.join(allowed)}.",
+    )
 
 
 def _parameters(fn: Any) -> list[str]:
@@ -288,8 +299,6 @@ def _trainer_precision(trainer: Any, strategy: Any, notes: list[str]) -> tuple[A
     where fsdp-overlap applies the precision to its config. Returns the strategy and its
     precision flag. Where the accelerator is not available on this machine (a GPU config
     checked on a laptop) the flag is only normalised, and a note says so."""
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
     from lightning_utilities.core import rank_zero
 
@@ -301,7 +310,7 @@ def _trainer_precision(trainer: Any, strategy: Any, notes: list[str]) -> tuple[A
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            connector = _AcceleratorConnector(
+            connector = accelerator_connector(
                 devices=trainer.devices,
                 num_nodes=trainer.num_nodes,
                 accelerator=trainer.accelerator,
@@ -316,7 +325,7 @@ def _trainer_precision(trainer: Any, strategy: Any, notes: list[str]) -> tuple[A
             raise OverlapConfigError(f"trainer: Lightning refuses it: {exc}") from None
         notes.append(f"accelerator {trainer.accelerator!r} cannot be built here ({exc}); its precision checks not run")
         built = strategy if not isinstance(strategy, str) else FSDPOverlapStrategy()
-        return built, str(_convert_precision_to_unified_args(trainer.precision) or "32-true")
+        return built, str(unified_precision(trainer.precision) or "32-true")
     except ValueError as exc:  # Lightning's own refusal of a precision or an accelerator name
         key = next((k for k in ("precision", "accelerator", "devices") if k in str(exc)), "")
         raise OverlapConfigError(

@@ -33,6 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
+from .._lightning_compat import set_module_device_mesh
 from ..config.schema import OverlapConfig
 from ..report.messages import install_excepthook
 from ..report.schedule import format_report, schedule_report
@@ -172,7 +173,7 @@ class TrainerStrategyMixin(StrategyBase):
         install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
         self._device_mesh = build_mesh(self._config, self.root_device.type)
         # configure_model() may read it, as with ModelParallelStrategy.
-        self.lightning_module._device_mesh = self._device_mesh
+        set_module_device_mesh(self.lightning_module, self._device_mesh)
         _warn_if_npu_unused(self.root_device)
 
     def _align_precision_device(self) -> None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .._torch_compat import foreach_copy_
+
 __all__ = ["FILL_SLOT", "PACK_ROWS", "SPLIT_GATHERED", "fill_slot", "pack_rows", "split_gathered"]
 
 
@@ -41,7 +43,7 @@ def fill_slot(shards: list[torch.Tensor], size: int, rank: int, dtype: torch.dty
     total = sum(numels)
     out = torch.empty(size * total, dtype=dtype, device=shards[0].device)
     slot = out.narrow(0, rank * total, total)
-    torch._foreach_copy_(list(torch.split(slot, numels)), [s.reshape(-1) for s in shards])
+    foreach_copy_(list(torch.split(slot, numels)), [s.reshape(-1) for s in shards])
     return out
 
 
@@ -59,7 +61,7 @@ def pack_rows(grads: list[torch.Tensor], size: int, dtype: torch.dtype) -> torch
     if all(g.dtype == dtype for g in grads):
         return torch.cat(rows, dim=1).reshape(-1)
     out = torch.empty(size, sum(r.shape[1] for r in rows), dtype=dtype, device=grads[0].device)
-    torch._foreach_copy_(list(torch.split(out, [r.shape[1] for r in rows], dim=1)), rows)
+    foreach_copy_(list(torch.split(out, [r.shape[1] for r in rows], dim=1)), rows)
     return out.reshape(-1)
 
 

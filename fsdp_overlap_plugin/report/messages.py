@@ -242,9 +242,9 @@ def _store(world: int) -> Any:
                 timeout=timedelta(seconds=WAIT_S),
             )
         if dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake":
-            from torch.distributed.distributed_c10d import _get_default_store
+            from .._torch_compat import default_store
 
-            return _get_default_store()
+            return default_store()
     except Exception:
         return None
     return None

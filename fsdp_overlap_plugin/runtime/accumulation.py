@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch_compat import queue_backward_callback
+
 __all__ = ["ReplicaSync", "install", "replica_all_reduce_skipped", "replica_sync_of"]
 
 log = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ class ReplicaSync:
     def _on_grad(self, param: nn.Parameter) -> None:
         if self._pending and not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            queue_backward_callback(self.finish)
 
     def finish(self) -> None:
         """Wait for the accumulated gradients' all-reduce and add them to ``param.grad``

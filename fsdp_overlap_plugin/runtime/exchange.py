@@ -31,6 +31,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import register_process_group, resolve_process_group
+
 __all__ = [
     "EXCHANGE_TAG",
     "GROUP_PREFIX",
@@ -122,18 +124,13 @@ def build_receive_first_group(inner: dist.ProcessGroup) -> str:
     if live is not None and live.inner is inner and _registered(name) is live:
         return name
     group = ReceiveFirstGroup(inner)
-    if _registered(name) is not None:
-        torch._C._distributed_c10d._unregister_process_group(name)
-    torch._C._distributed_c10d._register_process_group(name, group)
+    register_process_group(name, group)
     _LIVE[name] = group
     return name
 
 
 def _registered(name: str) -> dist.ProcessGroup | None:
-    try:
-        return torch._C._distributed_c10d._resolve_process_group(name)
-    except RuntimeError:  # not registered (or unregistered by destroy_process_group)
-        return None
+    return resolve_process_group(name)  # None: not registered (or unregistered by destroy_process_group)
 
 
 def exchanges_run(*names: str) -> int:

@@ -134,9 +134,9 @@ class RankAgreement:
             return None
         if dist.get_backend() == "fake":  # one process playing every rank: no one to agree with
             return None
-        from torch.distributed.distributed_c10d import _get_default_store
+        from .._torch_compat import default_store
 
-        return cls(_get_default_store(), dist.get_rank(), dist.get_world_size(), prefix, timeout_s)
+        return cls(default_store(), dist.get_rank(), dist.get_world_size(), prefix, timeout_s)
 
     def _key(self, name: str, leaf: str) -> str:
         return f"{self.prefix}/{name}/{leaf}"

@@ -27,16 +27,14 @@ import functools
 import torch
 import torch.nn as nn
 
-from .._torch_compat import TORCH_VERSION
+from .._torch_compat import TORCH_VERSION, fx_annotate
+from ..config.keys import suggest
 from ..config.plan import expand_pattern
-from ..config.schema import OverlapConfigError, suggest
+from ..config.schema import OverlapConfigError
 from ..contract import AC_KEY, SAVED_OPS
 from . import hf
 
-try:  # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]
-    from torch.fx.traceback import annotate as _annotate
-except ImportError:  # pragma: no cover - older torch
-    _annotate = None
+_annotate = fx_annotate()  # torch >= 2.9 (None on an older torch)
 
 __all__ = [
     "apply_activation_checkpointing",

@@ -30,13 +30,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from .._torch_compat import fx_annotate
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..contract import PARAM_KEY
 
-try:  # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]
-    from torch.fx.traceback import annotate as _annotate
-except ImportError:  # pragma: no cover - older torch: module paths are the only attribution
-    _annotate = None
+# torch >= 2.9: Dynamo records the annotation in node.meta["custom"]; None on an older
+# torch, where module paths are the only attribution
+_annotate = fx_annotate()
 
 __all__ = [
     "row_range",
