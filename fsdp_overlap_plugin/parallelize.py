@@ -126,7 +126,7 @@ def parallelize(
             shard_group = mesh.get_group(mesh.ndim - 1)
             state.exchange_groups = {shard_group.group_name: build_receive_first_group(shard_group)}
             state.exchanges_before = exchanges_run(*state.exchange_groups.values())
-        # imported only to compile (as inductor_passes is only to compile with inductor):
+        # imported only to compile (as compile/inductor.py is only to compile with inductor):
         # `import fsdp_overlap_plugin`, the report, the adapters and compile: false never
         # load the compile wiring
         from .compile.compiler import compile_model
