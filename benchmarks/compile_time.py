@@ -82,7 +82,7 @@ def child(model: str, passes: bool, quick: bool) -> dict:
 
     torch.set_num_threads(1)
     import fsdp_overlap_plugin as fo
-    import fsdp_overlap_plugin.compile.compiler as fo_compile
+    import fsdp_overlap_plugin.compile.backends as fo_compile
 
     spent = {"passes": 0.0, "compile": 0.0, "post_grad_graphs": 0, "joint_graphs": 0}
 

@@ -121,7 +121,7 @@ def capture_real(layers: int, hidden: int = REAL_HIDDEN, seq: int = 16, batch: i
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fsdp_overlap_plugin as fo
-    import fsdp_overlap_plugin.compile.compiler as fo_compile
+    import fsdp_overlap_plugin.compile.backends as fo_compile
 
     created = not dist.is_initialized()
     if created:
@@ -164,7 +164,7 @@ def capture_real(layers: int, hidden: int = REAL_HIDDEN, seq: int = 16, batch: i
 
 def applicable_passes(kind: str, state) -> list:
     """The ``POST_GRAD_PASSES`` entries the wiring runs on a graph of this kind."""
-    from fsdp_overlap_plugin.compile.compiler import POST_GRAD_PASSES
+    from fsdp_overlap_plugin.compile.pass_table import POST_GRAD_PASSES
 
     return [e for e in POST_GRAD_PASSES if e.applies_to(kind, state)]
 
@@ -181,11 +181,11 @@ def run_real_passes(gm, kind: str, state) -> tuple[dict[str, float], dict[str, d
 
 def time_run_passes(gm, kind: str, state) -> float:
     """Seconds of the whole ``compile.run_passes`` on a fresh copy of ``gm``, called as the
-    inductor wiring calls it (``compile/inductor.py``: ``recompile=False``, since inductor
+    inductor wiring calls it (``inductor_passes.py``: ``recompile=False``, since inductor
     regenerates the graph's code itself after its custom passes): the passes plus the
     wiring's own work (schedule events and collective counts before and after, linting the
     graph once); the record is not written to disk."""
-    import fsdp_overlap_plugin.compile.compiler as fo_compile
+    import fsdp_overlap_plugin.compile.pass_table as fo_compile
 
     work = copy.deepcopy(gm)
     gc.collect()
@@ -262,7 +262,7 @@ def real_main(args) -> None:
         r, sig = measure_real(layers, args.repeat, args.hidden)
         rows.extend(r)
         signatures[str(layers)] = sig
-    from fsdp_overlap_plugin.compile.compiler import POST_GRAD_PASSES
+    from fsdp_overlap_plugin.compile.pass_table import POST_GRAD_PASSES
 
     seen = {n for r in rows for n in r["passes_s"]}
     pass_names = [e.name for e in POST_GRAD_PASSES if e.name in seen]

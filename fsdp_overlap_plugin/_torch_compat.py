@@ -56,6 +56,7 @@ __all__ = [
     "default_store",
     "detect_fake_mode",
     "dynamo_counters",
+    "recompile_limit",
     "dynamo_unsupported_error",
     "eager_backward_lowering",
     "foreach_copy_",
@@ -335,6 +336,15 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def recompile_limit() -> Any:
+    """Dynamo's per-frame recompile limit (``recompile_limit``; ``cache_size_limit`` where
+    a release still names it so), or ``"?"``."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", "?")
 
 
 def guard_failure_counts() -> dict[Any, int]:

@@ -12,7 +12,7 @@ import torch._dynamo
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import fsdp_overlap_plugin.compile.compiler as fo_compile
+import fsdp_overlap_plugin.compile.backends as fo_compile
 
 
 @contextlib.contextmanager
@@ -33,7 +33,7 @@ def fake_world(world: int = 2) -> contextlib.AbstractContextManager[None]:
 
 
 class GraphCapture:
-    """Monkeypatches ``compile.run_passes`` to keep ``(kind, before, after)`` graph copies."""
+    """Monkeypatches ``compile.backends.run_passes`` to keep ``(kind, before, after)`` graph copies."""
 
     def __init__(self, monkeypatch):
         self.graphs: list[tuple[str, torch.fx.GraphModule, torch.fx.GraphModule]] = []

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 import fsdp_overlap_plugin as fo
 import fsdp_overlap_plugin.passes.bucketing as bucketing
-from fsdp_overlap_plugin.compile.compiler import UnbucketedError, UnbucketedWarning
+from fsdp_overlap_plugin.compile.diagnostics import UnbucketedError, UnbucketedWarning
 from fsdp_overlap_plugin.models import GPT, fixed_batches, gpt_small, loss_fn
 from fsdp_overlap_plugin.passes import manual_bucketing, overlap_grad_reduce
 from fsdp_overlap_plugin.passes.graph import (

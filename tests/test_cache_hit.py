@@ -57,7 +57,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 import fsdp_overlap_plugin as fo
 import fsdp_overlap_plugin.passes.bucketing as bucketing
-from fsdp_overlap_plugin.compile.compiler import UnbucketedError
+from fsdp_overlap_plugin.compile.diagnostics import UnbucketedError
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 if os.environ.get("MISATTRIBUTE"):  # the bucketing looks modules up as 0.1 did on transformers models
     real = bucketing.owner_module

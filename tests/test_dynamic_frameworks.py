@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.accelerate import load_config
-from fsdp_overlap_plugin.compile.compiler import RecompileLimitError
+from fsdp_overlap_plugin.compile.diagnostics import RecompileLimitError
 from fsdp_overlap_plugin.config.schema import OverlapConfigError
 from fsdp_overlap_plugin.lightning import FSDPOverlapStrategy
 from fsdp_overlap_plugin.lightning.config import read_lightning_yaml

@@ -13,11 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_overlap_plugin"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 #: Private torch names used outside ``_torch_compat.py``, each with its reason.
-TORCH_ALLOWED = {
-    # compile/ is owned by another team; to move into _torch_compat (recompile limit).
-    ("compile/compiler.py", "import torch._dynamo"),
-    ("compile/compiler.py", "torch._dynamo"),
-}
+TORCH_ALLOWED: set[tuple[str, str]] = set()
 
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate")
 
@@ -223,3 +219,10 @@ def test_the_layer_check_sees_an_upward_import():
     found = _package_imports(PACKAGE / "config" / "schema.py", source)
     assert found == [("fsdp_overlap_plugin.report.costmodel", 2), ("fsdp_overlap_plugin.config", 3)]
     assert LAYERS[_folder(found[0][0])] > LAYERS["config"]
+
+
+def test_the_private_torch_check_sees_each_spelling():
+    """The detector itself: an import, a from-import and an attribute chain."""
+    source = "import torch._dynamo\nfrom torch._inductor import config\nx = torch._C._get_tracing_state\n"
+    assert len(_private_torch_uses(ast.parse(source))) >= 3
+    assert not _private_torch_uses(ast.parse("import torch.distributed as dist\ny = torch.ops.aten._to_copy\n"))

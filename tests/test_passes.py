@@ -147,7 +147,7 @@ def test_inductor_frees_dead_buffers_when_the_passes_are_on():
 
 
 def test_the_wiring_runs_one_list_of_passes_each_where_it_applies():
-    from fsdp_overlap_plugin.compile.compiler import JOINT_PASSES, POST_GRAD_PASSES
+    from fsdp_overlap_plugin.compile.pass_table import JOINT_PASSES, POST_GRAD_PASSES
     from fsdp_overlap_plugin.config.schema import OverlapConfig
     from fsdp_overlap_plugin.runtime.state import OverlapState
 

@@ -59,7 +59,7 @@ def _broken_rank1(rank: int, world: int) -> str:
     import warnings
 
     if rank == 1:
-        import fsdp_overlap_plugin.compile.compiler as fo_compile
+        import fsdp_overlap_plugin.compile.backends as fo_compile
 
         def broken(*args, **kwargs):
             raise RuntimeError("injected compile failure")

@@ -19,7 +19,7 @@ from _fake import fake_world
 from _train import full_params, make_model, train_reference, train_sharded
 
 import fsdp_overlap_plugin as fo
-from fsdp_overlap_plugin.compile.compiler import GraphBreakError
+from fsdp_overlap_plugin.compile.diagnostics import GraphBreakError
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +200,7 @@ def test_graph_break_without_fullgraph_warns_with_counts():
 
 # ------------------------------------------------------------------ compile failures
 def _compile_failure(rank: int, world: int, on_error: str) -> dict:
-    import fsdp_overlap_plugin.compile.compiler as fo_compile
+    import fsdp_overlap_plugin.compile.backends as fo_compile
 
     torch._dynamo.reset()
     model = make_model()

@@ -245,7 +245,7 @@ def test_ranks_whose_passes_leave_different_collectives_stop_at_the_first_step()
 def test_a_tied_sum_left_unmerged_warns(monkeypatch):
     """Reductions that differ (here: made to look different) are left alone, loudly."""
     import fsdp_overlap_plugin.passes.tied as tied
-    from fsdp_overlap_plugin.compile.compiler import UnbucketedWarning
+    from fsdp_overlap_plugin.compile.diagnostics import UnbucketedWarning
 
     keys = iter(range(10**6))
     monkeypatch.setattr(tied, "_signature", lambda pairs: next(keys))

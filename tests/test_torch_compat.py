@@ -126,7 +126,7 @@ def test_inductor_runs_a_pass_installed_before_ours_first_on_every_graph(monkeyp
     theirs runs, then ours, on the forward and the backward."""
     from torch._inductor import config as inductor_config
 
-    import fsdp_overlap_plugin.compile.compiler as fo_compile
+    import fsdp_overlap_plugin.compile.backends as fo_compile
 
     calls: list = []
     theirs = _pass(calls, "theirs", "theirs-v1")

@@ -64,7 +64,8 @@ def _train_beside_ascend(rank: int, world: int, root: str, cache: str) -> dict:
         return run_ascend(graph)
 
     ascend_custom_passes.run_register_post_custom_passes = ascend_spy
-    from fsdp_overlap_plugin.compile import compiler as compile_module
+    from fsdp_overlap_plugin.compile import backends as compile_module
+    from fsdp_overlap_plugin.runtime.state import get_state
 
     run_ours = compile_module.run_passes
 
@@ -81,7 +82,7 @@ def _train_beside_ascend(rank: int, world: int, root: str, cache: str) -> dict:
     finally:
         compile_module.run_passes = run_ours
         ascend_custom_passes.run_register_post_custom_passes = run_ascend
-    state = compile_module.get_state(model)
+    state = get_state(model)
     return {
         "events": events,
         "hashed": hashed,

@@ -2,8 +2,8 @@
 
 Imported only when a model is compiled with ``backend: inductor``, so that
 ``import fsdp_overlap_plugin`` never needs inductor's internals (see ``_torch_compat``).
-The pass functions come in as arguments (``compile.run_passes`` / ``run_reshard``): this
-module does not import ``compile``, which imports it.
+The pass functions come in as arguments (``pass_table.run_passes`` / ``run_reshard``, handed
+over by ``backends._inner_backend``): this module does not import ``backends``, which imports it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 One protocol: ``pass(gm, ...) -> dict`` of statistics. A pass rewrites ``gm.graph`` in
 place and may tag nodes (``node.meta``: bucket indices, recompute tags); it never writes
-``gm.meta`` and never regenerates the code. The compile wiring (``compile.POST_GRAD_PASSES``,
-``compile.JOINT_PASSES``) records the statistics, and recompiles and lints a forward or
-backward graph once, after all its passes.
+``gm.meta`` and never regenerates the code. The compile wiring
+(``compile.pass_table.POST_GRAD_PASSES``, ``JOINT_PASSES``) records the statistics, and
+recompiles and lints a forward or backward graph once, after all its passes.
 
 * ``annotate_activation_checkpointing``  joint graph: recompute tags of checkpointed modules
 * ``annotate_reshard``      joint graph: reshard-after-forward recompute tags per bucket

@@ -471,7 +471,7 @@ def _details(report: dict[str, Any]) -> str:
     )
 
     def scatters(record: dict) -> str:
-        # counted as reduce-scatters (compile.run_passes); "a2a" says they ran as all-to-all
+        # counted as reduce-scatters (compile.pass_table.run_passes); "a2a" says they ran as all-to-all
         if not record or not record["after"].get("reduce_scatter_as_all_to_all"):
             return _arrow(record, "reduce_scatter")
         return _arrow(record, "reduce_scatter") + " a2a"

@@ -56,7 +56,7 @@ def record_name(record: dict) -> str:
 
 
 # The few numbers of each pass a summary line shows (the report keeps them all); keyed
-# by the pass names of ``compile.POST_GRAD_PASSES``.
+# by the pass names of ``compile.pass_table.POST_GRAD_PASSES``.
 SUMMARY_STATS = {
     "gather_group": ("moved",),
     "manual_bucketing": (

@@ -53,7 +53,7 @@ class OverlapState:
     fallback: str | None = None
     instance: int = 0  # the n-th model prepared in this process: the same on every rank
     dynamo_graphs: int = 0  # graphs Dynamo handed to our backend so far
-    # digests of the collective sequences every rank agreed on (compile.overlap_backend):
+    # digests of the collective sequences every rank agreed on (compile.backends.overlap_backend):
     # a recompile that leaves one of them (a new sequence length) needs no agreement round
     agreed: list[str] = field(default_factory=list)
     recompiles: list[dict] = field(default_factory=list)  # per recompile: Dynamo's reason, whether it was agreed
