@@ -226,3 +226,42 @@ def test_the_private_torch_check_sees_each_spelling():
     source = "import torch._dynamo\nfrom torch._inductor import config\nx = torch._C._get_tracing_state\n"
     assert len(_private_torch_uses(ast.parse(source))) >= 3
     assert not _private_torch_uses(ast.parse("import torch.distributed as dist\ny = torch.ops.aten._to_copy\n"))
+
+
+# ----------------------------------------------------------------------------- the drawing
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+#: Folders the drawing lists file by file; the others (adapters, cli, models) by name.
+ENUMERATED = {"", "config", "runtime", "passes", "shard", "report", "compile"}
+
+
+def _drawn_tree() -> tuple[set[tuple[str, str]], set[str]]:
+    """``(folder, file)`` pairs and the folder names drawn in "Where things live"."""
+    text = DOC.read_text()
+    section = text[text.index("## Where things live") :]
+    block = section[
+        section.index("fsdp_overlap_plugin/\n") : section.index("```", section.index("fsdp_overlap_plugin/\n"))
+    ]
+    files, folders, folder = set(), set(), ""
+    for line in block.splitlines()[1:]:
+        if line.startswith("  ") and not line.startswith("   "):  # a new entry at the top level
+            first = line.split()[0]
+            folder = first.rstrip("/") if first.endswith("/") else ""
+        names = re.findall(r"\b(\w+)\.py\b", line)
+        folders.update(re.findall(r"(?<![\w/])(\w+)/(?=\s|$)", line))
+        files.update((folder, f"{name}.py") for name in names)
+    return files, folders
+
+
+def test_the_layout_drawing_matches_the_tree():
+    files, folders = _drawn_tree()
+    actual = {
+        ("" if len(p.relative_to(PACKAGE).parts) == 1 else p.relative_to(PACKAGE).parts[0], p.name)
+        for p in MODULES
+        if (len(p.relative_to(PACKAGE).parts) == 1 or p.relative_to(PACKAGE).parts[0] in ENUMERATED)
+        and not (p.name == "__init__.py" and len(p.relative_to(PACKAGE).parts) > 1)
+    }
+    assert files == actual, (
+        f"drawn, not in the tree: {sorted(files - actual)}; in the tree, not drawn: {sorted(actual - files)}"
+    )
+    subpackages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == subpackages

@@ -13,6 +13,7 @@ import pytest
 from _fake import fake_world
 
 import fsdp_overlap_plugin as fo
+from fsdp_overlap_plugin.config.schema import format_bytes
 from fsdp_overlap_plugin.report.costmodel import rates_for
 from fsdp_overlap_plugin.report.schedule import _plan_words, headline
 from fsdp_overlap_plugin.runtime.records import SUMMARY_STATS
@@ -73,7 +74,7 @@ def test_headline_of_a_real_run(llama_report):
     assert report["params"]["count"] == unique < every
     peak = max(report["prefetch"][k]["peak_bytes"] for k in ("forward", "backward"))
     assert peak <= report["params"]["gathered_bytes"]
-    assert f"memory: at most {fo.config.format_bytes(peak)} of parameters gathered ahead of use (" in head
+    assert f"memory: at most {format_bytes(peak)} of parameters gathered ahead of use (" in head
     assert "prefetch depth 1, no budget" in head
     # no pass jargon in the plain-words part
     for word in ("a2a", "deferred_rs_waits", "gathers_first", "pin_order", "receive_first", "manual_bucketing"):
