@@ -130,7 +130,6 @@ def test_inductor_runs_a_pass_installed_before_ours_first_on_every_graph(monkeyp
 
     calls: list = []
     theirs = _pass(calls, "theirs", "theirs-v1")
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", theirs)
     original = fo_compile.run_passes
 
     def ours(gm, kind, state, **kwargs):
@@ -138,11 +137,14 @@ def test_inductor_runs_a_pass_installed_before_ours_first_on_every_graph(monkeyp
         return original(gm, kind, state, **kwargs)
 
     monkeypatch.setattr(fo_compile, "run_passes", ours)
-    with fake_world(2):
+    # inductor's config's own patch: monkeypatch's undo would delete the config entry
+    # (the config module's delattr), and every later test's compile would then fail
+    with inductor_config.patch(post_grad_custom_post_pass=theirs), fake_world(2):
         model = gpt_small(n_layer=1, d_model=32)
         fo.parallelize(model, backend="inductor")
         model(torch.randint(0, 256, (2, 16))).sum().backward()
     assert calls == ["theirs", "ours:forward", "theirs", "ours:backward"]
+    assert inductor_config.post_grad_custom_post_pass is None  # restored, not deleted
 
 
 def test_supported_range_comes_from_pyproject_and_the_installed_metadata(monkeypatch):
