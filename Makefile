@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check fsdp_overlap_plugin tests examples benchmarks
 
 docs: $(STAMP)
-	$(BIN)/python -c "from fsdp_overlap_plugin.config.schema import config_markdown as m; print(m(), end='')" > docs/config.md
+	$(BIN)/python -c "from fsdp_overlap_plugin.config.docs import config_markdown as m; print(m(), end='')" > docs/config.md
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

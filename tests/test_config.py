@@ -116,7 +116,7 @@ def test_every_field_is_documented():
 def test_docs_config_md_is_current():
     from pathlib import Path
 
-    from fsdp_overlap_plugin.config.schema import config_markdown
+    from fsdp_overlap_plugin.config.docs import config_markdown
 
     path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert path.read_text() == config_markdown(), "docs/config.md is stale: run `make docs`"

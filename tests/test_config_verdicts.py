@@ -37,7 +37,8 @@ import yaml
 from _fake import fake_world
 
 from fsdp_overlap_plugin.cli import main
-from fsdp_overlap_plugin.config.schema import MAX_CONFIG_BYTES, OverlapConfigError
+from fsdp_overlap_plugin.config.parse import MAX_CONFIG_BYTES
+from fsdp_overlap_plugin.config.schema import OverlapConfigError
 from fsdp_overlap_plugin.models.gpt import gpt_small
 
 ROOT = Path(__file__).resolve().parents[1]

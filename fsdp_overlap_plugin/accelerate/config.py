@@ -47,7 +47,8 @@ from typing import Any
 
 from .._accelerate_compat import launch_parser_actions
 from ..config.keys import suggest, unknown_key_message
-from ..config.schema import OverlapConfig, OverlapConfigError, dtype_name, parse_dtype, read_yaml, respell
+from ..config.parse import dtype_name, parse_dtype, read_yaml
+from ..config.schema import OverlapConfig, OverlapConfigError, respell
 
 __all__ = [
     "ENV_VAR",

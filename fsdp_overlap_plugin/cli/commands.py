@@ -14,7 +14,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..config.schema import OverlapConfig, OverlapConfigError, dtype_name
+from ..config.parse import dtype_name
+from ..config.schema import OverlapConfig, OverlapConfigError
 from ..report import costmodel
 from .analysis import analyze, bucket_rows, module_tree, tied_parameters
 from .configs import SHAPES, LoadedConfig, load_config

@@ -23,7 +23,8 @@ from typing import Any
 import torch.nn as nn
 
 from ..accelerate import config as accelerate_config
-from ..config.schema import OverlapConfig, OverlapConfigError, read_yaml, respell
+from ..config.parse import read_yaml
+from ..config.schema import OverlapConfig, OverlapConfigError, respell
 from ..lightning import config as lightning_config
 
 __all__ = ["LoadedConfig", "SHAPES", "load_config"]

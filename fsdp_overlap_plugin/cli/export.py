@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..config.schema import format_bytes, parse_dtype
+from ..config.parse import format_bytes, parse_dtype
 from ..shard.checkpoint_reader import model_names, open_checkpoint
 from ..shard.export import DEFAULT_MAX_SHARD_SIZE, Group, export_root, plan_export, tied_groups, write_folder
 from .errors import CliError

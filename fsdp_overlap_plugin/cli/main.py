@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .._version import __version__
-from ..config.schema import OverlapConfigError, parse_bytes
+from ..config.parse import parse_bytes
+from ..config.schema import OverlapConfigError
 from ..report.costmodel import HARDWARE
 from .analysis import SMALL_BUCKET_BYTES
 from .commands import cmd_check, cmd_inspect, cmd_suggest

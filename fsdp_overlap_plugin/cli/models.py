@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..config.keys import suggest
-from ..config.schema import dtype_name
+from ..config.parse import dtype_name
 from .errors import CliError
 
 __all__ = ["HF_PREFIX", "load_hf_model", "load_model", "parse_model_spec", "unaccepted_kwargs"]

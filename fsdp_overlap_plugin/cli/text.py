@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from ..config.schema import OverlapConfig, dtype_name, format_bytes, prefetch_words
+from ..config.parse import dtype_name, format_bytes
+from ..config.schema import OverlapConfig, prefetch_words
 
 __all__ = [
     "auto_lines",

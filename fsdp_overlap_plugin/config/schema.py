@@ -5,13 +5,15 @@ prints them, ``docs/config.md`` is generated from them, and the YAML files in
 ``configs/`` use the same names. Every way of building a config (keyword arguments,
 ``from_dict``, ``from_yaml``) goes through ``validate()``, so a typo or a wrong type
 fails at startup with the key named and the nearest valid choice suggested.
+
+Reading a YAML file, a byte count or a dtype name is ``config.parse``'s job; writing
+``docs/config.md`` is ``config.docs``'s.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
 import re
 import textwrap
@@ -24,17 +26,13 @@ import torch
 
 from ..contract import AC_POLICIES, OverlapConfigError
 from .keys import check_keys, suggest
+from .parse import dtype_name, format_bytes, parse_bytes, parse_dtype, read_yaml
 
 __all__ = [
-    "MAX_CONFIG_BYTES",
     "MeshConfig",
     "OverlapConfig",
     "OverlapConfigError",
-    "format_bytes",
-    "parse_bytes",
-    "parse_dtype",
     "prefetch_words",
-    "read_yaml",
     "respell",
 ]
 
@@ -49,28 +47,12 @@ MEMORY_ORDER_WORDS = {
 }
 
 
-def format_bytes(n: int | float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units, as memory is reported."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def prefetch_words(depth: int, budget: int | None, order: str) -> str:
     """``depth 1, budget none; collectives queued back to back``: the prefetch settings
     in the words of both the schedule report and ``fsdp-overlap check``."""
     return f"depth {depth}, budget {'none' if budget is None else format_bytes(budget)}; {MEMORY_ORDER_WORDS[order]}"
 
 
-# Accepted spellings of each dtype; the first one is the canonical name.
-_DTYPES: dict[str, tuple[torch.dtype, tuple[str, ...]]] = {
-    "bf16": (torch.bfloat16, ("bf16", "bfloat16", "torch.bfloat16")),
-    "fp16": (torch.float16, ("fp16", "float16", "half", "torch.float16")),
-    "fp32": (torch.float32, ("fp32", "float32", "float", "torch.float32")),
-}
 _BACKENDS = ("inductor", "aot_eager")
 _REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all", "receive_first")
 _RANK_CHECK = ("error", "warn", "off")
@@ -78,77 +60,6 @@ _DYNAMIC = ("auto", True, False)
 _ON_COMPILE_ERROR = ("raise", "eager")
 _ON_UNBUCKETED = ("error", "warn")
 ON_UNINITIALIZED = ("error", "warn")
-
-
-def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype | None:
-    """Turn a dtype name (``"bf16"``, ``"float32"``, ...) or a ``torch.dtype`` into a dtype."""
-    if value is None or isinstance(value, torch.dtype):
-        if isinstance(value, torch.dtype) and value not in {d for d, _ in _DTYPES.values()}:
-            raise OverlapConfigError(f"{key}: unsupported dtype {value}; use one of bf16, fp16, fp32 or null.")
-        return value
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        for dtype, spellings in _DTYPES.values():
-            if lowered in spellings:
-                return dtype
-        spellings = [s for _, names in _DTYPES.values() for s in names]
-        raise OverlapConfigError(
-            f"{key}: unknown dtype {value!r}; valid: bf16, fp16, fp32 or null.{suggest(lowered, spellings)}"
-        )
-    raise OverlapConfigError(f"{key}: expected a dtype name (bf16, fp16, fp32) or null, got {type(value).__name__}.")
-
-
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
-
-
-def parse_bytes(value: Any, key: str = "bytes") -> int | None:
-    """A positive byte count from an integer or a string with a unit ("64MiB", "500 KB",
-    "1e6"); None stays None. KB/MB/GB are powers of 1000, KiB/MiB/GiB powers of 1024."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise OverlapConfigError(
-            f'{key}: expected a number of bytes (e.g. 67108864 or "64MiB") or null, got {value!r}.'
-        )
-    number: float
-    if isinstance(value, (int, float)):
-        number = value
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", value.lower())
-        if match is None or match.group(2) not in _BYTE_UNITS:
-            unit = match.group(2) if match else value
-            proper = {u.lower(): u for u in ("KB", "MB", "GB", "KiB", "MiB", "GiB")}
-            close = difflib.get_close_matches(unit, list(proper), n=1, cutoff=0.5) if match else []
-            hint = f" Did you mean {match.group(1) + proper[close[0]]!r}?" if close else ""
-            raise OverlapConfigError(
-                f"{key}: cannot read {value!r} as a size; write an integer number of bytes or a number with "
-                f'a unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. "64MiB".{hint}'
-            )
-        number = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
-    else:
-        raise OverlapConfigError(
-            f'{key}: expected a number of bytes or a string like "64MiB", got {type(value).__name__}.'
-        )
-    if number < 1 or number != int(number):
-        raise OverlapConfigError(f"{key}: must be a whole number of bytes >= 1, got {value!r}.")
-    return int(number)
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """The canonical short name of a dtype (``torch.bfloat16`` -> ``"bf16"``)."""
-    for name, (d, _) in _DTYPES.items():
-        if d == dtype:
-            return name
-    return None
 
 
 @dataclass
@@ -557,103 +468,6 @@ def respell(message: str, spell: Callable[[str], str]) -> str:
         if re.match(rf"{re.escape(name)}(?=[:\[.\s=])", message):
             return spell(name) + message[len(name) :]
     return message
-
-
-#: A config file larger than this is refused before it is parsed: a plan for the largest
-#: model fits in a few KiB, so a file this size is the wrong file (a checkpoint, a log), and
-#: PyYAML would take minutes to parse it on every rank.
-MAX_CONFIG_BYTES = 2**20
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: Any, line: int, first: int):
-        self.key, self.line, self.first = key, line, first
-
-
-def _loader() -> type:
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the
-    last one silently); keys brought in by a ``<<`` merge may be overridden, as YAML means."""
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                try:
-                    if key in seen:
-                        raise _DuplicateKey(key, line, seen[key])
-                    seen[key] = line
-                except TypeError:  # an unhashable key: PyYAML's own error follows
-                    pass
-            return super().construct_mapping(node, deep)
-
-    return StrictLoader
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML config file's mapping. A missing, empty (or comments-only), oversized or
-    non-UTF-8 file, invalid YAML, or anything but a mapping at the top is an
-    ``OverlapConfigError`` naming the file. Every reader of a config file (the runtime's
-    and ``fsdp-overlap check``) goes through here, so the same file gets the same verdict."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise OverlapConfigError(f"config file {str(path)!r} does not exist.")
-    size = path.stat().st_size
-    if size > MAX_CONFIG_BYTES:
-        raise OverlapConfigError(
-            f"{path}: {size / 2**20:.1f} MiB is too large for a config file (at most "
-            f"{MAX_CONFIG_BYTES // 2**20} MiB); is it the right file?"
-        )
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise OverlapConfigError(
-            f"{path}: not a text file in UTF-8 (byte {exc.start} is {exc.object[exc.start]:#04x}); save it as UTF-8."
-        ) from None
-    try:
-        data = yaml.load(text, Loader=_loader())
-    except yaml.YAMLError as exc:
-        raise OverlapConfigError(f"{path}: not valid YAML: {exc}") from None
-    except _DuplicateKey as exc:
-        raise OverlapConfigError(
-            f"{path}: line {exc.line}: {exc.key!r} is set twice in one mapping (also on line {exc.first}); YAML "
-            "would keep the last one without a word. Keep one."
-        ) from None
-    if data is None:
-        raise OverlapConfigError(
-            f"{path}: the file holds no keys (it is empty or only comments); is it the right file? "
-            "For every default, write {} in it."
-        )
-    if not isinstance(data, dict):
-        raise OverlapConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}.")
-    return data
-
-
-def config_markdown() -> str:
-    """``docs/config.md``: every key, its default and its documentation."""
-    defaults = OverlapConfig().to_dict()
-    lines = [
-        "# Configuration reference",
-        "",
-        "Generated from the field docstrings of `OverlapConfig` (regenerate with `make docs`). The same keys work as",
-        "YAML (`OverlapConfig.from_yaml`), as keyword arguments of `parallelize()` and of the",
-        "Lightning strategy, and, prefixed `fsdp_overlap_`, in an Accelerate `fsdp_config`",
-        "(one exception there: `overlap_grad_reduce` is spelt `fsdp_overlap_grad_reduce`).",
-        "",
-        "| key | default | meaning |",
-        "| --- | --- | --- |",
-    ]
-    for name, doc in OverlapConfig.field_docs().items():
-        default = defaults[name]
-        shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else default)
-        lines.append(f"| `{name}` | `{shown}` | {doc} |")
-    return "\n".join(lines) + "\n"
 
 
 def _attribute_docstrings(cls: type) -> dict[str, str]:

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..config.schema import format_bytes, prefetch_words
+from ..config.parse import format_bytes
+from ..config.schema import prefetch_words
 from ..runtime.exchange import exchanges_run
 from ..runtime.records import KINDS, SUMMARY_STATS, cache_hits, current, record_name, summarize_pass
 from ..runtime.state import get_state

@@ -53,7 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..config.schema import OverlapConfigError, parse_bytes, parse_dtype
+from ..config.parse import parse_bytes, parse_dtype
+from ..config.schema import OverlapConfigError
 from . import hf
 
 __all__ = [
