@@ -76,13 +76,10 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +88,31 @@ if (REPO / "fsdp_overlap_plugin").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
 from _harness.code_order import check_generated_code  # noqa: E402
+from _harness.gpu_models import (  # noqa: E402
+    LLAMA_VARIANTS,
+    flops_per_token,
+    fully_shard_and_compile,
+    llama_config,
+    llama_flops_per_token,
+    llama_matmul_params,
+    llama_param_count,
+    llama_shape,
+    memory_estimate,
+    param_count,
+    throughput,
+)
+from _harness.phases import (  # noqa: E402
+    Console,
+    PhaseRun,
+    init_world_of_one,
+    log_tail,
+    read_junit,
+    result_file,
+    run_child,
+    stop_current,
+)
+from _harness.profiling import compute_profile, profiler_rows, schedule_totals, with_matmul_rate  # noqa: E402
+from _harness.tables import fmt, format_paths, format_table  # noqa: E402
 
 # The torch range pyproject.toml admits, read from it (the package's one statement of it).
 from fsdp_overlap_plugin._version import supported_range, torch_supported  # noqa: E402
@@ -139,29 +161,6 @@ ESTIMATED_S = {
 MIN_PHASE_S = 20  # a phase that would get less than this is skipped, not started
 DEFAULT_BUDGET_S = 345  # the issue's bound is 6 minutes; leave room for start-up and files
 
-# The transformers Llamas of hf-1rank and world8 (LlamaConfig fields in plain names), and
-# the tiny ones `--_size tiny` puts in their place so that a CPU test runs each phase.
-# hf-1rank: 0.51B parameters (grouped-query attention, 8 of 16 heads); world8: Llama3-8B's
-# layer shapes and vocabulary with 4 of its 32 layers, 1.92B parameters.
-LLAMA_SHAPES = {
-    "hf-1rank": {
-        "default": dict(n_layer=8, hidden=2048, intermediate=5632, heads=16, kv_heads=8, vocab=32000),
-        "tiny": dict(n_layer=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256),
-    },
-    "world8": {
-        "default": dict(n_layer=4, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256),
-        "tiny": dict(n_layer=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256),
-    },
-}
-LLAMA_RUNS = {  # rope theta, batch x sequence per rank, ranks
-    "hf-1rank": {"default": dict(rope_theta=10000.0, batch=4, seq=2048, world=1)},
-    "world8": {"default": dict(rope_theta=500000.0, batch=2, seq=4096, world=8)},
-}
-TINY_RUN = dict(batch=2, seq=32)
-LLAMA_VARIANTS = {
-    "plugin": "plugin, parallelize() defaults",
-    "fully_shard": "torch fully_shard per layer + torch.compile",
-}
 PROFILE_FILE = "compute_profile.json"
 
 
@@ -328,55 +327,6 @@ def variant_config(phase: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- arithmetic
-def matmul_params(cfg: dict[str, int]) -> int:
-    """Parameters that take part in matmuls (every Linear weight: blocks and head); the
-    embeddings are lookups and the biases and norms are element-wise."""
-    d, v, n = cfg["d_model"], cfg["vocab_size"], cfg["n_layer"]
-    return n * 12 * d * d + d * v
-
-
-def flops_per_token(cfg: dict[str, int], seq: int) -> float:
-    """Training FLOPs per token: 6 per matmul parameter (forward 2, backward 4), plus
-    attention's scores and weighted sum, 12 * n_layer * seq * d_model (PaLM, appendix B:
-    the full seq x seq matrix is counted, as the causal half is not skipped by every kernel)."""
-    return 6 * matmul_params(cfg) + 12 * cfg["n_layer"] * seq * cfg["d_model"]
-
-
-def throughput(
-    tokens_per_step: int, step_s: float, fpt: float, matmul_flops_per_s: float | None
-) -> dict[str, float | None]:
-    """tokens/s, achieved model TFLOP/s and MFU (a fraction of the measured matmul rate)."""
-    tokens_per_s = tokens_per_step / step_s
-    achieved = tokens_per_s * fpt
-    return {
-        "tokens_per_s": tokens_per_s,
-        "model_tflops": achieved / 1e12,
-        "mfu": achieved / matmul_flops_per_s if matmul_flops_per_s else None,
-    }
-
-
-def param_count(cfg: dict[str, int]) -> int:
-    """All parameters of the GPT (independent of building it)."""
-    d, v, t, n = cfg["d_model"], cfg["vocab_size"], cfg["block_size"], cfg["n_layer"]
-    block = 12 * d * d + 13 * d  # qkv 3d^2+3d, proj d^2+d, fc 4d^2+4d, proj 4d^2+d, 2 LayerNorms 4d
-    return v * d + t * d + n * block + 2 * d + d * v
-
-
-def memory_estimate(cfg: dict[str, int], batch: int, seq: int) -> dict[str, int]:
-    """A rough peak for one rank holding the whole model (bytes): fp32 master weights,
-    fp32 gradients, AdamW's two fp32 states, a bf16 copy of the weights, activations at
-    ~34 bytes per token per layer per model dimension (Korthikanti et al., flash attention),
-    and the logits (bf16, their fp32 copy for the loss, and its gradient)."""
-    n = param_count(cfg)
-    tokens = batch * seq
-    parts = {
-        "weights+grads+adam (fp32)": 16 * n,
-        "bf16 weights": 2 * n,
-        "activations": 34 * tokens * cfg["d_model"] * cfg["n_layer"],
-        "logits": 10 * tokens * cfg["vocab_size"],
-    }
-    parts["total"] = sum(parts.values())
-    return parts
 
 
 def compare_losses(a: list[float], b: list[float], rtol: float) -> dict[str, Any]:
@@ -401,187 +351,9 @@ def loss_fell(losses: list[float]) -> bool:
 
 
 # --------------------------------------------------------------------------- Llama arithmetic
-def llama_shape(phase: str, size: str = "default") -> dict[str, Any]:
-    """The model and run of a Llama phase: ``LLAMA_SHAPES`` fields plus rope theta, batch,
-    sequence and world (``size`` "tiny": the tiny model, batch 2 x 32, same world)."""
-    run = dict(LLAMA_RUNS[phase]["default"])
-    if size == "tiny":
-        run.update(TINY_RUN)
-    return {**LLAMA_SHAPES[phase][size], **run}
-
-
-def llama_matmul_params(shape: dict[str, Any]) -> int:
-    """Parameters of a LlamaForCausalLM that take part in matmuls: per layer the q and o
-    projections (hidden x hidden), k and v (hidden x kv_heads * head_dim), the MLP's gate,
-    up and down (3 x hidden x intermediate); and the untied lm_head (hidden x vocab). The
-    embedding is a lookup, the RMSNorm weights are element-wise."""
-    h, n = shape["hidden"], shape["n_layer"]
-    kv = shape["kv_heads"] * (h // shape["heads"])
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate"]
-    return n * per_layer + h * shape["vocab"]
-
-
-def llama_param_count(shape: dict[str, Any]) -> int:
-    """All parameters: the matmul ones, the embedding, two RMSNorms per layer and the final one."""
-    h = shape["hidden"]
-    return llama_matmul_params(shape) + shape["vocab"] * h + (2 * shape["n_layer"] + 1) * h
-
-
-def llama_flops_per_token(shape: dict[str, Any], seq: int) -> float:
-    """Training FLOPs per token of a Llama, counted as for the GPT (``flops_per_token``): 6 per
-    matmul parameter (forward 2, backward 4) plus attention's scores and weighted sum,
-    12 * layers * seq * hidden (hidden = query heads x head dim; grouped-query attention
-    shares k and v between heads but every query head still multiplies, so the kv heads do
-    not change it; the full seq x seq matrix is counted, as for the GPT)."""
-    return 6 * llama_matmul_params(shape) + 12 * shape["n_layer"] * seq * shape["hidden"]
-
-
-def llama_config(shape: dict[str, Any]) -> Any:
-    """The ``transformers.LlamaConfig`` of ``shape``, built with the fields transformers 5.17
-    (the GPU machines') already has: rope theta through ``rope_parameters``, sdpa attention,
-    no KV cache (training), untied lm_head, positions up to the sequence length."""
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["n_layer"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=shape["seq"],
-        rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
 
 
 # --------------------------------------------------------------------------- compute profile
-def schedule_totals(report: dict) -> dict[str, int]:
-    """FLOPs and bytes the passes' schedule counts for one training step: every ``compute``
-    event in ``schedule["after"]`` of the forward and backward graphs that run now (the
-    latest compile; every piece where graph breaks split a graph: ``records.current``, as
-    the cost model's ``predicted`` picks them), or of ``report[kind]`` where the report has
-    no per-graph records with a schedule. Per rank: the graphs hold one rank's batch."""
-    from fsdp_overlap_plugin.runtime.records import current
-
-    running = current(report.get("graphs") or [], (report.get("config") or {}).get("fullgraph", True))
-    flops = nbytes = graphs = 0
-    for kind in ("forward", "backward"):
-        records = [r for r in running if r.get("graph") == kind and not r.get("inference") and "schedule" in r]
-        if not records and (report.get(kind) or {}).get("schedule"):
-            records = [report[kind]]
-        for record in records:
-            graphs += 1
-            for event in record["schedule"]["after"]:
-                if event["op"] == "compute":
-                    flops += event["flops"]
-                    nbytes += event["bytes"]
-    return {"flops": flops, "bytes": nbytes, "graphs": graphs}
-
-
-# Kinds of kernel (or, on a CPU, of ATen op) by name, first match wins: attention before
-# matmul, as flash-attention kernels are CUTLASS templates too; inductor's generated kernels
-# (triton_*) before copy, as their names carry the ops they fuse (a cast is "_to_copy").
-_KINDS = (
-    ("collective", ("nccl", "c10d", "all_gather", "reduce_scatter", "allgather")),
-    ("attention", ("flash", "fmha", "attention", "scaled_dot_product")),
-    ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "triton_tem_", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("triton", ("triton_",)),
-    ("copy", ("memcpy", "memset", "copy", "catarraybatched", "chunk_cat", "split_with_sizes")),
-)
-
-
-def op_kind(name: str) -> str:
-    """collective, attention, matmul, triton (inductor's generated kernels: element-wise,
-    norms, casts, fused copy-in/out), copy (memcpy, memset, ATen's copy kernels) or other,
-    from a kernel's or op's name."""
-    low = name.lower()
-    for kind, words in _KINDS:
-        if any(w in low for w in words):
-            return kind
-    return "other"
-
-
-def aggregate_ops(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
-    """Profiler rows (``name``, ``seconds``, ``count``; a name may repeat) summed per name:
-    count, total seconds, per step (over ``steps`` profiled steps), share of all the rows'
-    time, and the kind (``op_kind``); longest first."""
-    by_name: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        entry = by_name.setdefault(
-            row["name"], {"name": row["name"], "kind": op_kind(row["name"]), "count": 0, "total_s": 0.0}
-        )
-        entry["count"] += int(row.get("count", 1))
-        entry["total_s"] += float(row["seconds"])
-    total = sum(e["total_s"] for e in by_name.values())
-    out = []
-    for e in sorted(by_name.values(), key=lambda e: (-e["total_s"], e["name"])):
-        out.append(
-            {
-                **e,
-                "per_step_s": e["total_s"] / steps,
-                "calls_per_step": e["count"] / steps,
-                "share": e["total_s"] / total if total else 0.0,
-            }
-        )
-    return out
-
-
-def compute_profile(
-    rows: list[dict[str, Any]],
-    *,
-    steps: int,
-    step_s: float,
-    schedule: dict[str, int],
-    device: str,
-    torch_version: str,
-    model: dict[str, Any],
-    world: int,
-    model_flops_per_step: float | None = None,
-    matmul_flops_per_s: float | None = None,
-) -> dict[str, Any]:
-    """What compute_profile.json holds (the cost model reads the top-level keys): the device,
-    versions, model and world; ``step_s`` (the median step measured without the profiler);
-    the schedule's FLOPs and bytes per step (``schedule_totals``) and the FLOP rate that step
-    time gives; the model FLOPs MFU counts (``llama_flops_per_token`` x tokens), to hold the
-    schedule's count against; the measured matmul rate (None where the matmul phase did not run); the
-    kernels' time per step and its share of the step (``busy_fraction``), per kind; and
-    ``ops``, every kernel (op on a CPU) aggregated by name (``aggregate_ops``)."""
-    ops = aggregate_ops(rows, steps)
-    kernel_s = sum(o["total_s"] for o in ops) / steps
-    kinds: dict[str, float] = {}
-    for o in ops:
-        kinds[o["kind"]] = kinds.get(o["kind"], 0.0) + o["per_step_s"]
-    profile = {
-        "device": device,
-        "torch": torch_version,
-        "model": model,
-        "world": world,
-        "step_s": step_s,
-        "schedule_flops_per_step": schedule["flops"],
-        "schedule_bytes_per_step": schedule["bytes"],
-        "achieved_flops_per_s": schedule["flops"] / step_s if step_s > 0 else None,
-        "model_flops_per_step": model_flops_per_step,
-        "profiled_steps": steps,
-        "kernel_s_per_step": kernel_s,
-        "busy_fraction": kernel_s / step_s if step_s > 0 else None,
-        "kind_s_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-        "ops": ops,
-    }
-    return with_matmul_rate(profile, matmul_flops_per_s)
-
-
-def with_matmul_rate(profile: dict[str, Any], matmul_flops_per_s: float | None) -> dict[str, Any]:
-    """``profile`` with the measured matmul rate and the achieved rate's fraction of it (the
-    parent adds them once the matmul phase has run: the world8 process does not know them)."""
-    achieved = profile.get("achieved_flops_per_s")
-    return {
-        **profile,
-        "matmul_flops_per_s": matmul_flops_per_s,
-        "achieved_of_matmul": achieved / matmul_flops_per_s if achieved and matmul_flops_per_s else None,
-    }
 
 
 # --------------------------------------------------------------------------- the plan
@@ -640,21 +412,6 @@ def llama_summary(phase: str, size: str = "default") -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- phases (children)
-def _init_world_of_one(device_type: str = "cuda") -> None:
-    """A 1-rank default process group (nccl; gloo for the CPU tests) through a FileStore:
-    no network at all."""
-    import torch
-    import torch.distributed as dist
-
-    from fsdp_overlap_plugin.runtime import devices
-
-    if device_type == "cuda":
-        torch.cuda.set_device(0)
-    backend = devices.backend_for(device_type)
-    folder = tempfile.mkdtemp(prefix="gpu_check_store_")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    store = dist.FileStore(os.path.join(folder, "store"), 1)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
 def phase_matmul(args: argparse.Namespace) -> dict[str, Any]:
@@ -720,7 +477,7 @@ def phase_train(args: argparse.Namespace, phase: str) -> dict[str, Any]:
     config = variant_config(phase)
     if not cuda:
         config["backend"] = "aot_eager"
-    _init_world_of_one(device)
+    init_world_of_one(device)
     try:
         cfg = model_kwargs(args)
         torch.manual_seed(args.seed)
@@ -820,55 +577,6 @@ def _save_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
     at its time limit still leaves the variants it finished for the parent's table."""
     if args._result:
         Path(args._result).write_text(json.dumps({**result, "status": "partial"}, indent=1, default=str))
-
-
-def fully_shard_and_compile(model: Any, mesh: Any, backend: str) -> Any:
-    """torch's own FSDP2 as users combine it with compile: ``fully_shard`` on every decoder
-    layer and on the root, bf16 parameters and fp32 gradient reduction, then
-    ``torch.compile`` of the whole model (FSDP2's hooks run outside the graphs: Dynamo
-    breaks the graph around each layer)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from fsdp_overlap_plugin.shard.hf import prepare_for_compile
-
-    prepare_for_compile(model)  # as parallelize does: no logger call inside the loss
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return torch.compile(model, backend=backend)
-
-
-def profiler_rows(step: Any, steps: int, device_type: str) -> list[dict[str, Any]]:
-    """Run ``step(i)`` ``steps`` times under torch.profiler; one row per kernel name (per
-    ATen op on a CPU): ``name``, ``seconds`` (its own device time; CPU time on a CPU),
-    ``count``. Kernels only on a GPU, so an op and the kernels it launched are not both counted."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device_type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for i in range(steps):
-            step(i)
-        if cuda:
-            torch.cuda.synchronize()
-    rows = []
-    for avg in prof.key_averages():
-        if cuda:
-            if avg.device_type != DeviceType.CUDA:
-                continue
-            us = getattr(avg, "self_device_time_total", None)
-            us = avg.self_cuda_time_total if us is None else us
-        else:
-            if avg.device_type != DeviceType.CPU:
-                continue
-            us = avg.self_cpu_time_total
-        if us > 0:
-            rows.append({"name": avg.key, "seconds": us / 1e6, "count": avg.count})
-    return rows
 
 
 def train_llama(
@@ -989,7 +697,7 @@ def phase_llama(args: argparse.Namespace, phase: str) -> dict[str, Any]:
     device, world = args._device, shape["world"]
     cuda = device == "cuda"
     if world == 1:
-        _init_world_of_one(device)
+        init_world_of_one(device)
     else:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -1148,7 +856,7 @@ def phase_paths(args: argparse.Namespace) -> dict[str, Any]:
             }
             print(f"[paths] {name}: {status} in {seconds:.0f} s; losses {losses[:1]} ... {losses[-1:]}", flush=True)
             if status != "ok":
-                print(_tail(log, 30), flush=True)
+                print(log_tail(log, 30), flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return {"runs": runs}
@@ -1156,8 +864,7 @@ def phase_paths(args: argparse.Namespace) -> dict[str, Any]:
 
 def _stop_current_and_exit(signum: int, frame: Any) -> None:
     """A phase process told to stop ends the example it started (its own process group) first."""
-    if _CURRENT_CHILD is not None:
-        _stop(_CURRENT_CHILD)
+    stop_current()
     sys.exit(1)
 
 
@@ -1188,9 +895,6 @@ def run_phase(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parent
-def result_file(folder: Path, phase: str) -> Path:
-    """Where a phase leaves its result: pytest's junit XML for the tests, JSON otherwise."""
-    return folder / f"{phase}.{'xml' if phase == 'tests' else 'json'}"
 
 
 # the options a phase process needs (the parent forwards them; everything else stays with it)
@@ -1209,85 +913,6 @@ def child_command(args: argparse.Namespace, phase: str, result: str | Path) -> l
     for name in FORWARDED:
         argv += [f"--{name.replace('_', '-')}" if not name.startswith("_") else f"--{name}", str(getattr(args, name))]
     return argv
-
-
-@dataclass
-class PhaseRun:
-    name: str
-    status: str = "not run"  # ok | failed | timeout | skipped
-    seconds: float = 0.0
-    limit: float = 0.0
-    result: dict = field(default_factory=dict)
-    note: str = ""
-
-
-class Console:
-    """Prints and keeps a copy in console.log."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __call__(self, text: str = "") -> None:
-        print(text, flush=True)
-        with self.path.open("a") as f:
-            f.write(text + "\n")
-
-
-_CURRENT_CHILD: subprocess.Popen | None = None
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """End a phase we started, and everything it started (its own process group)."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def run_child(cmd: list[str], log: Path, limit: float, env: dict[str, str]) -> tuple[str, float]:
-    """Run ``cmd`` with its output appended to ``log``; ``("ok" | "failed" | "timeout", seconds)``."""
-    global _CURRENT_CHILD
-    start = time.perf_counter()
-    with log.open("a") as f:
-        f.write(f"\n===== {shlex.join(cmd)}\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-        _CURRENT_CHILD = proc
-        try:
-            rc = proc.wait(timeout=limit)
-            status = "ok" if rc == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            status = "timeout"
-        finally:
-            _CURRENT_CHILD = None
-    return status, time.perf_counter() - start
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def read_junit(path: Path) -> dict[str, int]:
-    """Counts from pytest's junit XML: tests, failures, errors, skipped, passed."""
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    return counts
-
-
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def table_rows(runs: dict[str, PhaseRun], fpt: float, matmul_rate: float | None) -> list[dict[str, Any]]:
@@ -1310,27 +935,6 @@ def table_rows(runs: dict[str, PhaseRun], fpt: float, matmul_rate: float | None)
             )
         rows.append(row)
     return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table; a phase that did not finish shows its status and dashes."""
-    head = ["", "compile s", "first step s", "step s", "tokens/s", "model TFLOP/s", "MFU", "peak GiB", "final loss"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        label = r["label"] if r["status"] == "ok" else f"{r['label']} ({r['status']})"
-        cells = [
-            label,
-            _fmt(r.get("compile_s"), ".1f"),
-            _fmt(r.get("first_step_s"), ".1f"),
-            _fmt(r.get("step_s"), ".3f"),
-            _fmt(r.get("tokens_per_s"), ",.0f"),
-            _fmt(r.get("model_tflops"), ".0f"),
-            "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
-            _fmt(r.get("peak_gib"), ".1f"),
-            _fmt(r.get("final_loss"), ".4f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def llama_rows(runs: dict[str, PhaseRun], matmul_rate: float | None) -> list[dict[str, Any]]:
@@ -1369,24 +973,6 @@ def step_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
         for phase in LLAMA_PHASES
         if steps.get((phase, "plugin")) and steps.get((phase, "fully_shard"))
     }
-
-
-def format_paths(result: dict[str, Any]) -> list[str]:
-    """The paths table: each example's status, wall time and losses, and its command."""
-    lines = ["| path | status | wall s | steps | loss, first -> last quarter (mean) |", "|---|---|---|---|---|"]
-    commands = []
-    for name, r in (result.get("runs") or {}).items():
-        losses = r.get("losses") or []
-        k = max(1, len(losses) // 4)
-        trend = (
-            f"{statistics.fmean(losses[:k]):.4f} -> {statistics.fmean(losses[-k:]):.4f}"
-            + ("" if r.get("falling") else " (not falling)")
-            if len(losses) >= 2
-            else "-"
-        )
-        lines.append(f"| {r['label']} | {r['status']} | {r['wall_s']:.0f} | {len(losses)} | {trend} |")
-        commands.append(f"- {name}: `{shlex.join(r['command'])}` (output: {r['log']})")
-    return lines + ["", *commands]
 
 
 def evaluate(runs: dict[str, PhaseRun], args: argparse.Namespace) -> list[tuple[str, bool, str]]:
@@ -1554,7 +1140,7 @@ def llama_lines(args: argparse.Namespace, runs: dict[str, PhaseRun], rows: list[
                 f"Compute profile of the world8 plugin step ({PROFILE_FILE}, {prof['profiled_steps']} steps): "
                 f"kernels {busy:.3f} s per {prof['step_s']:.3f} s step ({100 * (prof.get('busy_fraction') or 0):.0f}% "
                 f"busy; {shares}); the schedule counts {prof['schedule_flops_per_step'] / 1e12:.1f} TFLOP per step, "
-                f"{_fmt(achieved and achieved / 1e12, '.0f')} TFLOP/s at the measured step time."
+                f"{fmt(achieved and achieved / 1e12, '.0f')} TFLOP/s at the measured step time."
             )
     return lines
 
@@ -1574,9 +1160,9 @@ def write_files(
         f"# GPU check ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         f"- device: {env_info.get('device', '?')} (compute capability {env_info.get('capability', '?')}, "
-        f"{_fmt((env_info.get('total_memory') or 0) / 2**30 or None, '.0f')} GiB); torch {env_info.get('torch', '?')}, "
+        f"{fmt((env_info.get('total_memory') or 0) / 2**30 or None, '.0f')} GiB); torch {env_info.get('torch', '?')}, "
         f"CUDA {env_info.get('cuda', '?')}, triton {env_info.get('triton', '?')}, NCCL {env_info.get('nccl', '?')}",
-        f"- bf16 matmul rate (MFU's denominator): {_fmt(rate and rate / 1e12, '.0f')} TFLOP/s; "
+        f"- bf16 matmul rate (MFU's denominator): {fmt(rate and rate / 1e12, '.0f')} TFLOP/s; "
         "compile s = first step - median step; each phase compiles into its own empty inductor cache",
     ]
     if any(p in runs for p in GPT_PHASES):
@@ -1740,8 +1326,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def on_signal(signum, frame):  # keep what ran: stop the phase, write the files, exit 1
-        if _CURRENT_CHILD is not None:
-            _stop(_CURRENT_CHILD)
+        stop_current()
         write_files(out, args, runs, env_info, final=True)
         say(f"gpu_check: stopped by signal {signum}; files written to {out}")
         sys.exit(1)
@@ -1791,7 +1376,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile.write_text(json.dumps(data, indent=1))
             say(f"[{phase}] {run.status} in {run.seconds:.0f} s" + (f": {run.note}" if run.note else ""))
             if run.status != "ok":
-                say("  last lines of phases.log:\n    " + _tail(out / "phases.log").replace("\n", "\n    "))
+                say("  last lines of phases.log:\n    " + log_tail(out / "phases.log").replace("\n", "\n    "))
             write_files(out, args, runs, env_info, final=False)
     finally:
         for sig, handler in previous.items():

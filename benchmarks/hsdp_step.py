@@ -77,6 +77,7 @@ from _harness.memory import MMAP_THRESHOLD, measure_step_memory  # noqa: E402
 from _harness.models import BATCH_PER_RANK, MODEL_SIZES, _data, loss_for  # noqa: E402
 from _harness.netns import parse_rate  # noqa: E402
 from _harness.runners import ModelRunner  # noqa: E402
+from _harness.steps import timed_steps  # noqa: E402
 
 MODES = ["hsdp-eager", "passes-off", "defaults", "compute-only", "compute-only-eager"]
 SHARDED = ("hsdp-eager", "passes-off", "defaults")
@@ -485,37 +486,25 @@ def worker(args: argparse.Namespace) -> None:
     vocab, seq = SIZES[args.model_size][3:]
     extra = 0 if args.no_memory else 3 * len(SHARDED)
     data = _data(vocab, seq, world, args.warmup + args.reps * args.steps + extra + 1)
-    runners: dict[str, ModelRunner] = {}
     results = {m: {"times": [], "losses": [], "rep_means_s": []} for m in modes}
-    index = dict.fromkeys(modes, 0)
     out: dict = {"rank": rank, "modes": results}
 
     def log(msg: str) -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    for rep in range(args.reps):
-        for mode in modes:
-            if mode not in runners:
-                t = time.perf_counter()
-                runners[mode] = make_runner(mode, args.model_size, world, args.backend)
-                for _ in range(args.warmup):
-                    runners[mode].step(data[index[mode]])
-                    index[mode] += 1
-                log(f"[{mode}] ready after {time.perf_counter() - t:.1f} s (compile + {args.warmup} warm-up steps)")
-            runner = runners[mode]
-            times = []
-            for _ in range(args.steps):
-                dist.barrier()
-                t = time.perf_counter()
-                loss = runner.step(data[index[mode]])
-                dist.barrier()
-                times.append(time.perf_counter() - t)
-                results[mode]["losses"].append(loss)
-                index[mode] += 1
-            results[mode]["times"] += times
-            results[mode]["rep_means_s"].append(statistics.fmean(times))
-            log(f"rep {rep + 1}/{args.reps} {mode:<18} mean {statistics.fmean(times):.3f} s/step")
+    runners, index = timed_steps(
+        modes,
+        lambda mode, _: make_runner(mode, args.model_size, world, args.backend),
+        data,
+        results,
+        reps=args.reps,
+        steps=args.steps,
+        warmup=args.warmup,
+        barrier=dist.barrier,
+        log=log,
+        on_rep=lambda mode, times: results[mode]["rep_means_s"].append(statistics.fmean(times)),
+    )
     if rank == 0:
         import fsdp_overlap_plugin as fo
 

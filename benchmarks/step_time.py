@@ -161,7 +161,6 @@ import json
 import os
 import resource
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -184,6 +183,7 @@ from _harness.runners import (
     make_runner,
     use_recv_first_kernels,
 )
+from _harness.steps import timed_steps
 from _harness.tables import time_stats
 from _harness.trace import LinkSampler, link_phases, print_trace, trace_step, trace_summary
 
@@ -193,7 +193,8 @@ from _harness.trace import LinkSampler, link_phases, print_trace, trace_step, tr
 def parse_mode_configs(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, dict]:
     """``--mode-config NAME=YAML``: mode name -> the plugin config keys in YAML (checked
     by OverlapConfig before anything starts)."""
-    from fsdp_overlap_plugin.config.schema import OverlapConfig, read_yaml
+    from fsdp_overlap_plugin.config.parse import read_yaml
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
 
     out: dict[str, dict] = {}
     for item in items:
@@ -643,42 +644,37 @@ def worker(args: argparse.Namespace) -> None:
     custom = {name: fo_read_yaml(path) for name, _, path in (m.partition("=") for m in args.mode_config)}
     lengths = parse_lengths(args.lengths) if args.lengths else None
     data = _data(vocab, seq, world, args.warmup + args.reps * args.steps + 1, lengths)
-    runners: dict[str, object] = {}
     results: dict[str, dict] = {m: {"times": [], "losses": [], "peak_rss_mib": 0.0} for m in modes}
-    step_index = dict.fromkeys(modes, 0)
     out: dict = {"rank": rank, "modes": results}
 
     def log(msg: str) -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    for rep in range(args.reps):
-        for mode in modes:
-            if mode not in runners:
-                t = time.perf_counter()
-                runners[mode] = make_runner(
-                    mode, args.model, args.model_size, runners, rate_bps, world, args.plan, custom=custom
-                )
-                for _ in range(args.warmup):
-                    runners[mode].step(data[step_index[mode]])
-                    step_index[mode] += 1
-                results[mode]["compiles_warm"] = dynamo_graphs(runners[mode])
-                log(f"[{mode}] ready after {time.perf_counter() - t:.1f} s (compile + {args.warmup} warm-up steps)")
-            runner = runners[mode]
-            for _ in range(args.steps):
-                dist.barrier()
-                t = time.perf_counter()
-                loss = runner.step(data[step_index[mode]])
-                dist.barrier()
-                results[mode]["times"].append(time.perf_counter() - t)
-                results[mode]["peak_rss_mib"] = max(results[mode]["peak_rss_mib"], runner.peak_rss)
-                if loss is not None:
-                    results[mode]["losses"].append(loss)
-                if lengths:
-                    results[mode].setdefault("lengths", []).append(lengths[step_index[mode] % len(lengths)])
-                step_index[mode] += 1
-            med = statistics.median(results[mode]["times"][-args.steps :])
-            log(f"rep {rep + 1}/{args.reps} {mode:<18} median {med:.3f} s/step")
+    def ready(mode: str, runner) -> None:
+        results[mode]["compiles_warm"] = dynamo_graphs(runner)
+
+    def stepped(mode: str, runner, index: int) -> None:
+        results[mode]["peak_rss_mib"] = max(results[mode]["peak_rss_mib"], runner.peak_rss)
+        if lengths:
+            results[mode].setdefault("lengths", []).append(lengths[index % len(lengths)])
+
+    runners, step_index = timed_steps(
+        modes,
+        lambda mode, built: make_runner(
+            mode, args.model, args.model_size, built, rate_bps, world, args.plan, custom=custom
+        ),
+        data,
+        results,
+        reps=args.reps,
+        steps=args.steps,
+        warmup=args.warmup,
+        barrier=dist.barrier,
+        log=log,
+        summary="median",
+        on_ready=ready,
+        on_step=stepped,
+    )
     for mode, runner in runners.items():
         results[mode]["compiles"] = dynamo_graphs(runner)
     if rank == 0:  # each sharded mode's schedule report: what costmodel_check.py predicts from
@@ -718,7 +714,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def fo_read_yaml(path: str) -> dict:
-    from fsdp_overlap_plugin.config.schema import read_yaml
+    from fsdp_overlap_plugin.config.parse import read_yaml
 
     return read_yaml(path) or {}
 

@@ -51,5 +51,10 @@ def gpu_check() -> ModuleType:
 
 def code_order() -> ModuleType:
     """``benchmarks/_harness/code_order.py``: gpu_check's code-order checker, shared with tests."""
+    return harness("code_order")
+
+
+def harness(name: str) -> ModuleType:
+    """``benchmarks/_harness/<name>.py``: a module gpu_check.py takes its library parts from."""
     gpu_check()  # benchmarks/ on sys.path
-    return importlib.import_module("_harness.code_order")
+    return importlib.import_module(f"_harness.{name}")

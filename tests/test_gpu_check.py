@@ -17,12 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cuda import code_order, gpu_check
+from _cuda import code_order, gpu_check, harness
 
 from fsdp_overlap_plugin.models import gpt_1b
 
 gc = gpu_check()
 co = code_order()
+gm = harness("gpu_models")  # model arithmetic
+gp = harness("profiling")  # the compute profile
+ph = harness("phases")  # phase processes
+tb = harness("tables")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SMALL = ["--n-layer", "3", "--d-model", "64", "--n-head", "4", "--vocab", "512", "--seq", "32"]
@@ -175,7 +179,7 @@ def test_dry_run_of_a_small_model_bytes_match_the_parameters(tmp_path):
     ]
     with torch.device("meta"):
         model = gpt_1b(n_layer=3, d_model=d, n_head=4, vocab_size=v, block_size=t)
-    assert info["params"] == sum(p.numel() for p in model.parameters()) == gc.param_count(info["model"])
+    assert info["params"] == sum(p.numel() for p in model.parameters()) == gm.param_count(info["model"])
 
 
 def test_dry_run_lists_the_llama_phases_and_the_example_commands(tmp_path, capsys):
@@ -194,7 +198,7 @@ def test_dry_run_lists_the_llama_phases_and_the_example_commands(tmp_path, capsy
     hf, w8 = info["llama"]["hf-1rank"], info["llama"]["world8"]
     assert hf["params"] == 508_594_176 and w8["params"] == 1_923_125_248
     assert w8["shape"] == {
-        **gc.LLAMA_SHAPES["world8"]["default"],
+        **gm.LLAMA_SHAPES["world8"]["default"],
         "rope_theta": 500000.0,
         "batch": 2,
         "seq": 4096,
@@ -247,11 +251,11 @@ def test_flops_per_token_and_mfu():
     with torch.device("meta"):
         model = gpt_1b(**cfg)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert gc.matmul_params(cfg) == linear
-    assert gc.flops_per_token(cfg, 32) == 6 * linear + 12 * 3 * 32 * 64
-    got = gc.throughput(tokens_per_step=1000, step_s=0.5, fpt=1e9, matmul_flops_per_s=4e12)
+    assert gm.matmul_params(cfg) == linear
+    assert gm.flops_per_token(cfg, 32) == 6 * linear + 12 * 3 * 32 * 64
+    got = gm.throughput(tokens_per_step=1000, step_s=0.5, fpt=1e9, matmul_flops_per_s=4e12)
     assert got == pytest.approx({"tokens_per_s": 2000.0, "model_tflops": 2.0, "mfu": 0.5})
-    assert gc.throughput(1000, 0.5, 1e9, None)["mfu"] is None
+    assert gm.throughput(1000, 0.5, 1e9, None)["mfu"] is None
 
 
 def test_compare_losses():
@@ -272,9 +276,9 @@ def test_llama_formulas_match_the_transformers_model(phase, size):
     token are 6 per matmul parameter plus attention's 12 x layers x seq x hidden."""
     info = gc.llama_summary(phase, size)
     shape = info["shape"]
-    assert info["params"] == gc.llama_param_count(shape) and info["matmul_params"] == gc.llama_matmul_params(shape)
+    assert info["params"] == gm.llama_param_count(shape) and info["matmul_params"] == gm.llama_matmul_params(shape)
     assert info["flops_per_token"] == 6 * info["matmul_params"] + 12 * shape["n_layer"] * shape["seq"] * shape["hidden"]
-    config = gc.llama_config(shape)
+    config = gm.llama_config(shape)
     assert config._attn_implementation == "sdpa" and config.use_cache is False and not config.tie_word_embeddings
     assert config.rope_parameters["rope_theta"] == shape["rope_theta"]
     assert shape["world"] == (8 if phase == "world8" else 1)
@@ -299,7 +303,7 @@ def test_op_kind_names_the_kernels():
         "aten::mm": "matmul",
         "CompiledFunction": "other",
     }
-    assert {name: gc.op_kind(name) for name in kinds} == kinds
+    assert {name: gp.op_kind(name) for name in kinds} == kinds
 
 
 def test_compute_profile_aggregates_rows_and_derives_the_rates():
@@ -312,7 +316,7 @@ def test_compute_profile_aggregates_rows_and_derives_the_rates():
     ]
     schedule = {"flops": 6e13, "bytes": 4e11, "graphs": 2}
     model = {"n_layer": 4, "hidden": 4096}
-    profile = gc.compute_profile(
+    profile = gp.compute_profile(
         rows, steps=3, step_s=0.1, schedule=schedule, device="NVIDIA H200", torch_version="2.11.0", model=model, world=8
     )
     # the keys the cost model reads, named exactly so
@@ -345,10 +349,10 @@ def test_compute_profile_aggregates_rows_and_derives_the_rates():
         {"matmul": 0.03, "triton": 0.01, "copy": 0.005, "attention": 0.005}
     )
     assert list(profile["kind_s_per_step"])[0] == "matmul"  # longest first
-    rated = gc.with_matmul_rate(profile, 8e14)
+    rated = gp.with_matmul_rate(profile, 8e14)
     assert rated["matmul_flops_per_s"] == 8e14 and rated["achieved_of_matmul"] == pytest.approx(0.75)
     json.dumps(rated)  # compute_profile.json
-    assert gc.aggregate_ops([], 3) == []
+    assert gp.aggregate_ops([], 3) == []
 
 
 def test_schedule_totals_count_the_compute_of_the_graphs_that_run_now():
@@ -371,13 +375,13 @@ def test_schedule_totals_count_the_compute_of_the_graphs_that_run_now():
             graph("forward", 1, 10**6, inference=True),  # under no_grad: not a training step
         ],
     }
-    assert gc.schedule_totals(report) == {"flops": 302, "bytes": 32, "graphs": 2}
+    assert gp.schedule_totals(report) == {"flops": 302, "bytes": 32, "graphs": 2}
     # graph breaks: every piece runs
     report["config"]["fullgraph"] = False
-    assert gc.schedule_totals(report)["graphs"] == 4
+    assert gp.schedule_totals(report)["graphs"] == 4
     # a report without per-graph schedules: report[kind]
     old = {"graphs": [], "forward": graph("forward", 0, 50), "backward": None}
-    assert gc.schedule_totals(old) == {"flops": 51, "bytes": 6, "graphs": 1}
+    assert gp.schedule_totals(old) == {"flops": 51, "bytes": 6, "graphs": 1}
 
 
 def test_read_path_losses_from_metrics_or_the_printed_steps(tmp_path):
@@ -410,20 +414,20 @@ def _train_result(losses, step_s=0.5, first=30.5, peak=40 * 2**30):
 
 def test_table_rows_and_markdown():
     runs = {
-        "compiled-off": gc.PhaseRun("compiled-off", "ok", result=_train_result([10.0, 9.0])),
-        "compiled-on": gc.PhaseRun("compiled-on", "timeout"),
-        "eager": gc.PhaseRun("eager", "ok", result=_train_result([10.0, 9.1], step_s=1.0, first=2.0)),
+        "compiled-off": ph.PhaseRun("compiled-off", "ok", result=_train_result([10.0, 9.0])),
+        "compiled-on": ph.PhaseRun("compiled-on", "timeout"),
+        "eager": ph.PhaseRun("eager", "ok", result=_train_result([10.0, 9.1], step_s=1.0, first=2.0)),
     }
     rows = gc.table_rows(runs, fpt=1e9, matmul_rate=4e12)
     assert [r["phase"] for r in rows] == ["eager", "compiled-off", "compiled-on"]
     assert rows[1]["tokens_per_s"] == 2000 and rows[1]["mfu"] == pytest.approx(0.5)
     assert rows[0]["compile_s"] is None  # eager compiles nothing
-    lines = gc.format_table(rows).splitlines()
+    lines = tb.format_table(rows).splitlines()
     assert lines[0].startswith("|  | compile s | first step s | step s | tokens/s")
     assert lines[2] == "| eager fully_shard (compile: false) | - | 2.0 | 1.000 | 1,000 | 1 | 25.0% | 40.0 | 9.1000 |"
     assert lines[3] == "| compiled, passes off | 30.0 | 30.5 | 0.500 | 2,000 | 2 | 50.0% | 40.0 | 9.0000 |"
     assert lines[4] == "| compiled, passes on (timeout) | - | - | - | - | - | - | - | - |"
-    no_rate = gc.format_table(gc.table_rows(runs, fpt=1e9, matmul_rate=None)).splitlines()
+    no_rate = tb.format_table(gc.table_rows(runs, fpt=1e9, matmul_rate=None)).splitlines()
     assert no_rate[3].split(" | ")[6] == "-"
 
 
@@ -602,13 +606,13 @@ def test_run_child_stops_a_phase_at_its_limit(tmp_path):
     pid_file = tmp_path / "pid"
     code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('started', flush=True); time.sleep(60)"
     start = time.perf_counter()
-    status, seconds = gc.run_child([sys.executable, "-c", code], log, limit=3, env=dict(os.environ))
+    status, seconds = ph.run_child([sys.executable, "-c", code], log, limit=3, env=dict(os.environ))
     assert status == "timeout" and seconds < 20 and time.perf_counter() - start < 20
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert "started" in log.read_text()
-    assert gc.run_child([sys.executable, "-c", "raise SystemExit(3)"], log, 30, dict(os.environ))[0] == "failed"
+    assert ph.run_child([sys.executable, "-c", "raise SystemExit(3)"], log, 30, dict(os.environ))[0] == "failed"
 
 
 _FAKE_CHILD = textwrap.dedent(
@@ -843,7 +847,7 @@ def test_llama_rows_keep_the_variants_a_stopped_phase_finished():
     """A Llama phase stopped at its limit leaves a partial result (status "partial"): the
     variants it finished keep their numbers, the rest show the phase's status."""
     partial = {"status": "partial", "world": 8, "flops_per_token": 1e9, "variants": {"plugin": _variant([1.0])}}
-    runs = {"world8": gc.PhaseRun("world8", "timeout", result=partial), "hf-1rank": gc.PhaseRun("hf-1rank", "skipped")}
+    runs = {"world8": ph.PhaseRun("world8", "timeout", result=partial), "hf-1rank": ph.PhaseRun("hf-1rank", "skipped")}
     rows = gc.llama_rows(runs, None)
     assert [(r["label"], r["status"]) for r in rows] == [
         ("hf-1rank: plugin, parallelize() defaults", "skipped"),
@@ -932,18 +936,18 @@ def test_hf_1rank_phase_trains_both_variants_on_cpu(tmp_path):
     summary needs; on one rank both compute the same losses."""
     torch.set_num_threads(1)
     result = gc.phase_llama(_tiny_args(tmp_path), "hf-1rank")
-    shape = gc.llama_shape("hf-1rank", "tiny")
+    shape = gm.llama_shape("hf-1rank", "tiny")
     assert result["problems"] == [] and result["world"] == 1 and result["tokens_per_step"] == 2 * 32
     for name in ("plugin", "fully_shard"):
         v = result["variants"][name]
-        assert v["status"] == "ok" and v["attention"] == "sdpa" and v["params"] == gc.llama_param_count(shape)
+        assert v["status"] == "ok" and v["attention"] == "sdpa" and v["params"] == gm.llama_param_count(shape)
         assert len(v["losses"]) == 5 and gc.loss_fell(v["losses"]), v["losses"]
         assert 0 < v["step_s"] <= v["first_step_s"] and v["peak_allocated"] is None
     plugin = result["variants"]["plugin"]
     assert plugin["schedule"]["flops"] > 0 and plugin["schedule"]["graphs"] == 2
     assert plugin["collectives"]["forward"]["all_gather"] == 0  # one rank: DTensor gathers nothing
     assert gc.compare_losses(result["variants"]["fully_shard"]["losses"], plugin["losses"], 1e-3)["ok"]
-    runs = {"hf-1rank": gc.PhaseRun("hf-1rank", "ok", result=_json(result))}
+    runs = {"hf-1rank": ph.PhaseRun("hf-1rank", "ok", result=_json(result))}
     rows = gc.llama_rows(runs, None)
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["tokens_per_s"] > 0 for r in rows)
     args = _tiny_args(tmp_path)
@@ -970,7 +974,7 @@ def test_world8_phase_writes_the_compute_profile_on_cpu(tmp_path):
     required |= {"schedule_bytes_per_step", "achieved_flops_per_s", "matmul_flops_per_s", "ops"}
     assert required <= set(profile)
     assert profile["device"] == "cpu" and profile["torch"] == torch.__version__ and profile["world"] == 8
-    assert profile["model"] == {k: v for k, v in gc.llama_shape("world8", "tiny").items() if k != "world"}
+    assert profile["model"] == {k: v for k, v in gm.llama_shape("world8", "tiny").items() if k != "world"}
     assert profile["step_s"] == plugin["step_s"]
     assert profile["schedule_flops_per_step"] == plugin["schedule"]["flops"] > 0
     assert profile["schedule_bytes_per_step"] == plugin["schedule"]["bytes"] > 0
@@ -981,7 +985,7 @@ def test_world8_phase_writes_the_compute_profile_on_cpu(tmp_path):
     assert ops and sum(o["share"] for o in ops) == pytest.approx(1.0)
     assert any(o["kind"] == "matmul" for o in ops) and all(o["count"] >= 1 for o in ops)
     assert plugin["profile"]["ops"] == len(ops) and plugin["profile"]["top"] == ops[:10]
-    runs = {"world8": gc.PhaseRun("world8", "ok", result=_json(result))}
+    runs = {"world8": ph.PhaseRun("world8", "ok", result=_json(result))}
     lines = "\n".join(gc.llama_lines(_tiny_args(tmp_path), runs, gc.llama_rows(runs, None)))
     assert (
         "| world8: plugin, parallelize() defaults |" in lines and "Compute profile of the world8 plugin step" in lines
@@ -1008,7 +1012,7 @@ def test_paths_phase_runs_both_examples_on_cpu(tmp_path, monkeypatch):
     lightning = " ".join(runs["lightning"]["command"])
     assert "--accelerator cpu --devices 1 --steps 20" in lightning and "--backend aot_eager" in lightning
     assert "--num_processes 1 examples/hf_accelerate.py --steps 20" in " ".join(runs["accelerate"]["command"])
-    table = gc.format_paths(result)
+    table = tb.format_paths(result)
     assert table[2].startswith("| Lightning Trainer (examples/hf_lightning.py) | ok |")
 
 
