@@ -4,8 +4,6 @@ measurement (``--memory``). In-process checks are cheap; the 2-rank runs are slo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import _bench
 import pytest
@@ -13,7 +11,6 @@ import pytest
 step_time = _bench.load("step_time")
 models = _bench.load("_harness.models")
 memory = _bench.load("_harness.memory")
-ROOT = _bench.ROOT
 
 
 def test_help_lists_the_new_flags():
@@ -120,25 +117,9 @@ def test_loss_difference_against_eager_is_reported():
 def test_memory_run_of_one_mode_in_its_own_processes(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "mem.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "step_time.py"),
-            "--memory",
-            "--model",
-            "hf-llama",
-            "--modes",
-            "fsdp2-eager,comm-only",
-            "--json",
-            str(out),
-            "--timeout",
-            "300",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
+    proc = _bench.smoke_run(
+        "step_time", "--memory", "--model", "hf-llama", "--modes", "fsdp2-eager,comm-only", out=out, deadline=300
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "skipped comm-only" in proc.stdout
     payload = json.loads(out.read_text())
     row = payload["summary"]["rows"]["fsdp2-eager"]

@@ -4,14 +4,11 @@ loopback smoke run of all its modes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import _bench
 import pytest
 
 hsdp_step = _bench.load("hsdp_step")
-ROOT = _bench.ROOT
 
 
 def test_help_runs():
@@ -31,11 +28,7 @@ def test_shard_groups_stay_in_a_node_and_replicas_cross():
 
 
 def test_unknown_mode_is_rejected():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "hsdp_step.py"), "--modes", "defaults,fast"],
-        capture_output=True,
-        text=True,
-    )
+    out = _bench.run("hsdp_step", "--modes", "defaults,fast")
     assert out.returncode == 2 and "unknown mode(s) ['fast']" in out.stderr
 
 
@@ -127,31 +120,12 @@ def test_loopback_smoke_run(tmp_path):
     """All modes on loopback (tiny GPT, aot_eager), 1 step each: every mode ran, the sharded modes' losses agree
     with eager HSDP's, and the JSON holds the table, memory, probe and predictions."""
     out = tmp_path / "hsdp.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "hsdp_step.py"),
-            "--loopback",
-            "--model-size",
-            "tiny",
-            "--backend",
-            "aot_eager",
-            "--steps",
-            "1",
-            "--reps",
-            "1",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-            "--timeout",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=700,
+    _bench.smoke_run(
+        "hsdp_step",
+        *("--loopback", "--model-size", "tiny", "--backend", "aot_eager"),
+        *("--steps", "1", "--reps", "1", "--warmup", "1"),
+        out=out,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     rows = data["summary"]["rows"]
     assert list(rows) == hsdp_step.MODES

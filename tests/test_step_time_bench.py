@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import _bench
 import pytest
 
 step_time = _bench.load("step_time")
 dynamic_lengths = _bench.load("dynamic_lengths")
-ROOT = _bench.ROOT
 
 
 def test_help_runs():
@@ -160,9 +157,7 @@ def test_trace_mode_is_checked(extra, message):
 
 def _refused(args: list[str], message: str) -> None:
     """step_time.py stops at its argument checks (exit 2) with ``message``."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), *args], capture_output=True, text=True
-    )
+    out = _bench.run("step_time", *args)
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
@@ -257,26 +252,9 @@ def test_quick_run_at_two_lengths_compiles_twice(tmp_path):
     lengths, `both` compiled a static and a dynamic graph in warm-up and nothing after,
     and its losses agree with eager FSDP2's."""
     out = tmp_path / "lengths.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "step_time.py"),
-            "--quick",
-            "--loopback",
-            "--modes",
-            "fsdp2-eager,both",
-            "--lengths",
-            "64,96",
-            "--json",
-            str(out),
-            "--timeout",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=700,
+    proc = _bench.smoke_run(
+        "step_time", "--quick", "--loopback", "--modes", "fsdp2-eager,both", "--lengths", "64,96", out=out
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Dynamo graphs per compiled mode r0/r1 (after warm-up -> after the timed steps): both 2/2 -> 2/2" in (
         proc.stdout
     )
@@ -294,11 +272,7 @@ def test_dynamic_lengths_help_and_arguments():
     assert "--quick" in text and "--length" in text and "--warm-lengths" in text
     assert dynamic_lengths.default_warm_lengths(128) == [64, 96]
     assert dynamic_lengths.default_warm_lengths(64) == [32, 48]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dynamic_lengths.py"), "--length", "64", "--warm-lengths", "32,64"],
-        capture_output=True,
-        text=True,
-    )
+    out = _bench.run("dynamic_lengths", "--length", "64", "--warm-lengths", "32,64")
     assert out.returncode == 2 and "two different lengths, neither of them --length" in out.stderr
 
 
