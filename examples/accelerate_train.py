@@ -114,10 +114,9 @@ for x, y in accelerator.skip_first_batches(loader, progress.step):
     if args.checkpointing_steps and progress.step % args.checkpointing_steps == 0:
         accelerator.save_state(str(Path(args.output_dir) / f"step_{progress.step}"))
 
-if accelerator.is_main_process:
+# The schedule summary was printed after the first optimizer step (the main process);
+# fo.schedule_report(model) is the same report as data.
+if accelerator.is_main_process and args.metrics:
     report = fo.schedule_report(model)
-    print()
-    print(fo.format_report(report))
-    if args.metrics:
-        Path(args.metrics).write_text(json.dumps({"losses": losses, "report": report}, default=str))
+    Path(args.metrics).write_text(json.dumps({"losses": losses, "report": report}, default=str))
 accelerator.end_training()

@@ -108,10 +108,9 @@ if args.export:
     )
     accelerator.print(f"saved the trained model to {args.export}: from_pretrained({args.export!r}) loads it")
 
-if accelerator.is_main_process:
+# The schedule summary was printed after the first optimizer step (the main process);
+# fo.schedule_report(model) is the same report as data.
+if accelerator.is_main_process and args.metrics:
     report = fo.schedule_report(model)
-    print()
-    print(fo.format_report(report))
-    if args.metrics:
-        Path(args.metrics).write_text(json.dumps({"losses": losses, "report": report}, default=str))
+    Path(args.metrics).write_text(json.dumps({"losses": losses, "report": report}, default=str))
 accelerator.end_training()

@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["launch_parser_actions", "mark_prepared", "prepared_objects", "validate_launch_command"]
+__all__ = [
+    "clip_grad_norm",
+    "launch_parser_actions",
+    "mark_prepared",
+    "prepared_models",
+    "prepared_objects",
+    "set_fsdp_distributed_type",
+    "validate_launch_command",
+]
 
 
 def launch_parser_actions() -> list[argparse.Action]:
@@ -31,6 +39,38 @@ def prepared_objects(accelerator: Any) -> tuple:
     return (*accelerator._dataloaders, *accelerator._optimizers, *accelerator._schedulers)
 
 
+def prepared_models(accelerator: Any) -> list:
+    """The models ``accelerator`` has prepared, its ``_models`` (checked on accelerate 1.15.0)."""
+    return list(accelerator._models)
+
+
 def mark_prepared(obj: Any) -> None:
     """Set Accelerate's ``_is_accelerate_prepared`` flag, by which ``Accelerator.prepare`` registers an object without wrapping it again (checked on accelerate 1.15.0)."""
     obj._is_accelerate_prepared = True
+
+
+def set_fsdp_distributed_type(accelerator: Any, fsdp_plugin: Any) -> None:
+    """Make ``accelerator``'s state say ``distributed_type: FSDP`` with ``fsdp_plugin``, as
+    ``AcceleratorState.__init__`` does for an FSDP launch on GPUs (it skips ``MULTI_CPU``).
+    ``PartialState`` and ``AcceleratorState`` keep their attributes in class-wide shared
+    dicts, and every ``AcceleratorState()`` copies ``PartialState``'s over its own, so the
+    type is set in ``PartialState``; the process group and the device stay as they are
+    (checked on accelerate 1.15.0)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = fsdp_plugin
+
+
+def clip_grad_norm(accelerator: Any, parameters: list, max_norm: float, norm_type: float = 2) -> Any:
+    """``accelerator._clip_grad_norm_dtensor_aware``: ``torch.nn.utils.clip_grad_norm_`` with
+    the norm taken per device mesh when the gradients live on several (checked on
+    accelerate 1.15.0); torch's own where Accelerate has no such method."""
+    import torch
+
+    method = getattr(accelerator, "_clip_grad_norm_dtensor_aware", None)
+    if method is None:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+    return method(parameters, max_norm, norm_type=norm_type)

@@ -9,8 +9,10 @@ first recipe raised ``Cannot flatten unevenly sharded tensor`` (97) or hung sile
 Every folder is then loaded by plain ``AutoModelForCausalLM.from_pretrained`` in a process
 that never imports the plugin: the logits equal the trained model's (fp32: within 1e-6;
 they come out bitwise equal here) and the weights are the trained ones, bit for bit.
-``fsdp-overlap export`` of the run's ``save_state`` folders (the CPU one and Accelerate's GPU
-layout) gives the same files as the in-run export. And the old hang, ``save_pretrained``
+``fsdp-overlap export`` of the run's ``save_state`` folders gives the same files as the in-run
+export: ``save_state`` of this CPU launch writes Accelerate's FSDP2 layout, as on GPUs (the
+plugin's accelerator says ``distributed_type: FSDP`` on every device), and ``save_state_gpu``
+is that layout written by Accelerate's ``save_fsdp_model`` directly. And the old hang, ``save_pretrained``
 under ``if accelerator.is_main_process``, now stops within 60 s naming the fix.
 """
 
@@ -91,18 +93,22 @@ def test_recipes_write_the_same_tensors(run, spec):
 @pytest.mark.parametrize("spec", ["llama:97:fp32", "qwen2:97:fp32", "llama:97:bf16"])
 @pytest.mark.parametrize("state", ["save_state", "save_state_gpu"])
 def test_export_cli_turns_save_state_into_the_same_files(run, spec, state, tmp_path):
-    """save_state writes every model the Accelerator prepared: the i-th as model_i.safetensors
+    """save_state writes every model the Accelerator prepared: the i-th as pytorch_model_fsdp_i/
     (model 0: the folder itself). save_fsdp_model was called for one model, index 0."""
     folder = run["root"] / spec.replace(":", "_")
     index = MODELS.index(spec)
     source = (
-        folder / state if index == 0 or state == "save_state_gpu" else folder / state / f"model_{index}.safetensors"
+        folder / state if index == 0 or state == "save_state_gpu" else folder / state / f"pytorch_model_fsdp_{index}"
     )
     cli = ROOT / ".venv" / "bin" / "fsdp-overlap"
     command = [str(cli) if cli.exists() else "fsdp-overlap", "export", str(source), str(tmp_path / "out")]
     proc = subprocess.run([*command, "--model", f"hf:{folder / 'plugin'}"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
-    kind = "safetensors" if state == "save_state" else "Accelerate save_state (sharded)"
+    kind = (
+        "distributed checkpoint (DCP)"
+        if source.name.startswith("pytorch_model_fsdp")
+        else "Accelerate save_state (sharded)"
+    )
     assert f"read   {kind}" in proc.stdout, proc.stdout
     assert "models' weights" not in proc.stdout  # one model in the folder, or its own file
     assert_same_tensors(folder_tensors(tmp_path / "out"), folder_tensors(folder / "plugin"))
@@ -118,8 +124,8 @@ def test_a_save_state_folder_of_several_models_says_which_it_reads(run, tmp_path
     assert proc.returncode == 0, proc.stderr
     notes = json.loads(proc.stdout)["checkpoint"]["notes"]
     assert notes == [
-        f"{folder} holds 4 models' weights; this is model 0 (model.safetensors). To export another, pass its "
-        "file or folder: model_1.safetensors, model_2.safetensors, model_3.safetensors"
+        f"{folder} holds 4 models' weights; this is model 0 (pytorch_model_fsdp_0). To export another, pass its "
+        "file or folder: pytorch_model_fsdp_1, pytorch_model_fsdp_2, pytorch_model_fsdp_3"
     ]
 
 

@@ -18,9 +18,11 @@ also lets an FSDP launch on a CPU-only machine start real gloo ranks
 from __future__ import annotations
 
 from .adapter import Resolved, config_source, load_config, prepare, use_gloo_on_cpu_only_launch
+from .adopt import install, is_adopted
 from .config import ENV_VAR, PREFIX, ConfigSource, find_config_file, plugin_keys
 
 use_gloo_on_cpu_only_launch()
+install()  # Accelerators of an FSDP launch prepare models through the plugin (adopt.py)
 
 __all__ = [
     "ENV_VAR",
@@ -29,6 +31,8 @@ __all__ = [
     "Resolved",
     "config_source",
     "find_config_file",
+    "install",
+    "is_adopted",
     "load_config",
     "plugin_keys",
     "prepare",

@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._accelerate_compat import mark_prepared, prepared_objects
+from .._accelerate_compat import mark_prepared, prepared_models, prepared_objects
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..parallelize import parallelize
-from ..report.messages import install_excepthook
+from ..report.messages import install_excepthook, say
+from ..report.schedule import format_report, schedule_report
 from ..runtime import devices
 from ..runtime.state import get_state
 from ..shard.export import full_state_dict
@@ -50,7 +51,15 @@ from ..shard.preflight import preflight
 from ..shard.sharding import build_mesh, gather_disabled, is_sharded
 from .config import ConfigSource, Resolved, load_config
 
-__all__ = ["Resolved", "config_source", "configure", "load_config", "prepare", "use_gloo_on_cpu_only_launch"]
+__all__ = [
+    "Resolved",
+    "config_source",
+    "configure",
+    "load_config",
+    "prepare",
+    "prepare_objects",
+    "use_gloo_on_cpu_only_launch",
+]
 
 log = logging.getLogger("fsdp_overlap_plugin.accelerate")
 
@@ -71,8 +80,8 @@ def use_gloo_on_cpu_only_launch() -> bool:
     in a worker of such a launch on a machine without CUDA or NPU devices, this sets
     ``ACCELERATE_USE_CPU=true`` before the ``Accelerator`` is created, which gives
     ``MULTI_CPU`` with a gloo process group. It is called when
-    ``fsdp_overlap_plugin.accelerate`` is imported; an explicit ``ACCELERATE_USE_CPU`` in
-    the environment is left as it is.
+    ``fsdp_overlap_plugin.accelerate`` is imported, and says so in one line (rank 0); an
+    explicit ``ACCELERATE_USE_CPU`` in the environment is left as it is.
     """
     env = os.environ
     if env.get("ACCELERATE_USE_FSDP", "").lower() != "true" or "LOCAL_RANK" not in env:
@@ -82,6 +91,11 @@ def use_gloo_on_cpu_only_launch() -> bool:
     if devices.detect_device_type() != "cpu":
         return False
     env["ACCELERATE_USE_CPU"] = "true"
+    say(
+        int(env.get("RANK", "0")),
+        "fsdp-overlap: set ACCELERATE_USE_CPU=true: this FSDP launch has no GPU or NPU, and without it Accelerate "
+        "would run each launched process alone (set ACCELERATE_USE_CPU yourself to decide otherwise)",
+    )
     return True
 
 
@@ -138,7 +152,7 @@ def prepare(
     model = models[0]
     if is_sharded(model) or get_state(model) is not None:
         raise ValueError("fsdp_overlap_plugin.accelerate.prepare: this model is already prepared.")
-    _check_accelerator(accelerator)
+    check_accelerator(accelerator)
 
     resolved = configure(accelerator, model, config, **overrides)
     cfg, source = resolved.config, resolved.source
@@ -169,17 +183,32 @@ def prepare(
 
     mark_prepared(model)  # Accelerate's own flag: register the model, never wrap it
     setattr(model, _SOURCE_ATTR, source)
-    prepared = _prepare_with_accelerate(accelerator, model, objects)
-    _install_checkpointing(accelerator, model, prepared)
     _install_get_state_dict(accelerator, model)
     if accelerator.is_main_process:
         if source.path is None and config is None:
             log.warning("fsdp-overlap: %s: using the defaults and Accelerate's settings.", source)
         log.info("fsdp-overlap: configuration from %s; plan of %d buckets", source, len(get_state(model).plan))
+    return prepare_objects(accelerator, *objects)
+
+
+def prepare_objects(accelerator: Any, *objects: Any) -> Any:
+    """``accelerator.prepare(*objects)`` where every model among ``objects`` is already the
+    plugin's (``prepare`` ran on it): the model is registered as it is, the rest goes
+    through Accelerate's per-object methods. What an adopted accelerator's ``prepare``
+    does with an optimizer created after the model (``accelerate/adopt.py``)."""
+    prepared = _prepare_with_accelerate(accelerator, objects)
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    if not models:
+        models = [m for m in prepared_models(accelerator) if get_state(m) is not None]
+    for model in models:
+        _install_checkpointing(accelerator, model, prepared)
+        _report_after_first_step(accelerator, model, prepared)
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
-def _check_accelerator(accelerator: Any) -> None:
+def check_accelerator(accelerator: Any) -> None:
+    """The distributed types the plugin cannot run under, and a launch whose processes would
+    each train alone, as errors that say what to change."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
@@ -232,16 +261,17 @@ def _switch_optimizer_params(optimizers: list, old_names: dict[int, str], model:
             group["params"] = [new[old_names[id(p)]] if id(p) in old_names else p for p in group["params"]]
 
 
-def _prepare_with_accelerate(accelerator: Any, model: nn.Module, objects: tuple) -> list:
-    """What ``accelerator.prepare`` does for each object (first data loaders, the model and
+def _prepare_with_accelerate(accelerator: Any, objects: tuple) -> list:
+    """What ``accelerator.prepare`` does for each object (first data loaders, the models and
     optimizers, then schedulers, which need the prepared optimizers), without its FSDP2
-    branch, which would shard the model again."""
+    branch, which would shard the model again: the models are the plugin's, marked
+    prepared, so ``prepare_model`` only registers them."""
     from torch.optim.lr_scheduler import LRScheduler
     from torch.utils.data import DataLoader
 
     result: list = []
     for obj in objects:
-        if obj is model:
+        if isinstance(obj, nn.Module):
             result.append(accelerator.prepare_model(obj))
         elif isinstance(obj, DataLoader):
             result.append(accelerator.prepare_data_loader(obj))
@@ -254,6 +284,31 @@ def _prepare_with_accelerate(accelerator: Any, model: nn.Module, objects: tuple)
         if any(item is x for x in prepared_objects(accelerator)):
             mark_prepared(item)
     return result
+
+
+def _report_after_first_step(accelerator: Any, model: nn.Module, prepared: list) -> None:
+    """The schedule summary, printed once by the main process after the model's first
+    optimizer step (as the Lightning strategy does): a script that only calls
+    ``accelerator.prepare`` (transformers' ``Trainer``) shows what the passes did too."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    state = get_state(model)
+    if state is None or state.summary_hooked:
+        return
+    optimizers = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in prepared]
+    optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+    if not optimizers:
+        return  # an optimizer prepared later (an adopted accelerator) installs it then
+    state.summary_hooked = True
+    handles: list = []
+
+    def after_step(*_: Any) -> None:
+        for handle in handles:
+            handle.remove()
+        if accelerator.is_main_process:
+            print(format_report(schedule_report(model)), flush=True)
+
+    handles.extend(o.register_step_post_hook(after_step) for o in optimizers)
 
 
 # ------------------------------------------------------------------- checkpoints

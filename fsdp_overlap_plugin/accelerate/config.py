@@ -604,7 +604,10 @@ def accelerate_settings(
         backend = getattr(getattr(state, "dynamo_plugin", None), "backend", None)
         if backend is not None:
             s.dynamo_backend = str(getattr(backend, "value", backend))
-            s.where["dynamo_backend"] = "dynamo_config.dynamo_backend of the Accelerator"
+            s.where["dynamo_backend"] = (
+                "the Accelerator's dynamo_plugin: dynamo_config in the launch config, Accelerator(dynamo_backend=...), "
+                "or transformers' TrainingArguments(torch_compile=True)"
+            )
     else:
         for attr, env_key, yaml_label in (
             ("mixed_precision", "ACCELERATE_MIXED_PRECISION", "mixed_precision"),
@@ -678,7 +681,7 @@ def build_config(
             f"{source + ': ' if source else ''}dynamo_config.dynamo_backend is {settings.dynamo_backend!r} "
             f"({settings.where.get('dynamo_backend')}); fsdp-overlap compiles the model itself "
             f"({_key('compile', prefixed)}, {_key('backend', prefixed)}): remove dynamo_config or set "
-            "dynamo_backend: 'NO'."
+            "dynamo_backend: 'NO' (with transformers' Trainer: leave TrainingArguments' torch_compile off)."
         )
 
     # mixed_precision -> param_dtype

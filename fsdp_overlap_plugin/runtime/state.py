@@ -74,6 +74,7 @@ class OverlapState:
     exchanges_before: int = 0  # all-to-alls those groups had run when this model was parallelized
     reduce_scatter_reason: str = ""  # why (devices.reduce_scatter_choice)
     replica_sync: Any = None  # accumulation.ReplicaSync of the compiled model
+    summary_hooked: bool = False  # Accelerate: the summary prints after the first optimizer step
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph; the same on
