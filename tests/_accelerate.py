@@ -36,14 +36,16 @@ def launch_env() -> dict[str, str]:
     return env
 
 
-def _launch(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def _launch(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """``cmd`` (a command that starts ranks through torch's elastic launcher), run once,
     with the native-crash policy of ``_dist.run_ranks``: when it fails because a rank was
     killed by a signal in native code, the test fails at once with faulthandler's stacks
     (``_dist.raise_on_launcher_crash``: ``NativeCrash``, or its own ``AssertionError``
     when the crashing thread ran fsdp_overlap_plugin code), counted, never rerun. Any
     other failure is returned for the test to show."""
-    proc = subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+        cmd, cwd=cwd, env={**launch_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout, check=False
+    )
     if proc.returncode != 0:
         text = output(proc)
         raise_on_launcher_crash(
@@ -59,10 +61,13 @@ def accelerate_launch(
     *script_args: str,
     script: Path = EXAMPLE,
     timeout: float = 600,
+    env: dict | None = None,
+    launcher_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file CONFIG --num_processes 2 SCRIPT ARGS`` (by default
-    examples/accelerate_train.py), run from the repository root as a user would, once; a
-    native crash of a rank fails the test (``_launch``)."""
+    """``accelerate launch --config_file CONFIG --num_processes 2 [LAUNCHER_ARGS] SCRIPT ARGS``
+    (by default examples/accelerate_train.py), run from the repository root as a user would,
+    once, with ``env`` on top of a user's shell; a native crash of a rank fails the test
+    (``_launch``)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [
         str(accelerate),
@@ -71,9 +76,10 @@ def accelerate_launch(
         str(config),
         "--num_processes",
         "2",
+        *launcher_args,
         str(script.relative_to(ROOT)),
     ]
-    return _launch([*cmd, *script_args], ROOT, timeout)
+    return _launch([*cmd, *script_args], ROOT, timeout, env)
 
 
 def fsdp_overlap(*argv: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:

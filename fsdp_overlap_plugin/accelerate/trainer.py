@@ -1,0 +1,94 @@
+"""transformers' ``Trainer`` on an adopted accelerator (``adopt.py``): what its FSDP branches
+need from the plugin.
+
+With an FSDP plugin in its accelerator's state (an adopted accelerator has one on every
+device), the ``Trainer`` takes its FSDP paths, which work on the plugin's models as they
+are (``DTensor`` ``Shard(0)`` parameters, FSDP2's layout) except in two places:
+
+* its checkpoints go through Accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` /
+  ``load_fsdp_model`` / ``load_fsdp_optimizer`` (``torch.distributed.checkpoint``), whose
+  state-dict helpers look every parameter up with ``getattr``: on a plugin model that is
+  the gathering property, one all-gather of the whole parameter per lookup, several per
+  save. The helpers, as ``transformers.trainer`` holds them, run with the gathers off
+  (``gather_disabled``): they read the shards, as Accelerate's ``save_state`` does here.
+* ``Trainer.save_model(out)`` writes the model only when the FSDP state-dict type is
+  ``FULL_STATE_DICT``; with ``SHARDED_STATE_DICT`` (``configs/overlap.yaml``) it writes
+  nothing, without a word (transformers' FSDP recipe is to call
+  ``trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")`` first).
+  For a plugin model, a ``save_model`` the user calls does that for the call: the folder
+  holds full weights that plain ``from_pretrained`` loads (through
+  ``accelerator.get_state_dict``, the plugin's ``full_state_dict``). The ``Trainer``'s own
+  checkpoints (``save_model(..., _internal_call=True)``) keep the sharded files.
+
+``install()`` wraps them once, when an accelerator is adopted in a process that has
+imported ``transformers.trainer``; models that are not the plugin's are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from ..shard.sharding import gather_disabled
+from .adopt import is_plugin_model
+
+__all__ = ["install"]
+
+_WRAPPED = "_fsdp_overlap_wrapped"
+_STATE_DICT_ATTRS = ("state_dict_type", "state_dict_config", "optim_state_dict_config")
+_CHECKPOINT_HELPERS = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
+
+
+def install() -> None:
+    """Wrap what ``transformers.trainer`` uses (see the module doc); a no-op when it is not
+    imported, or already wrapped."""
+    module = sys.modules.get("transformers.trainer")
+    if module is None:
+        return
+    for name in _CHECKPOINT_HELPERS:
+        helper = getattr(module, name, None)
+        if helper is not None and not getattr(helper, _WRAPPED, False):
+            setattr(module, name, _reading_shards(helper))
+    trainer = getattr(module, "Trainer", None)
+    if trainer is not None and not getattr(trainer.save_model, _WRAPPED, False):
+        trainer.save_model = _full_save_model(trainer.save_model)
+
+
+def _reading_shards(helper: Any) -> Any:
+    """``helper(fsdp_plugin, accelerator, [optimizer,] model, ...)`` with the gathers off
+    when ``model`` is the plugin's."""
+
+    @functools.wraps(helper)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if any(is_plugin_model(a) for a in (*args, *kwargs.values())):
+            with gather_disabled():
+                return helper(*args, **kwargs)
+        return helper(*args, **kwargs)
+
+    setattr(wrapped, _WRAPPED, True)
+    return wrapped
+
+
+def _full_save_model(save_model: Any) -> Any:
+    @functools.wraps(save_model)
+    def wrapped(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        plugin = getattr(getattr(self, "accelerator", None), "state", None)
+        plugin = getattr(plugin, "fsdp_plugin", None)
+        if _internal_call or plugin is None or not is_plugin_model(self.model):
+            return save_model(self, output_dir, _internal_call=_internal_call)
+        if "FULL_STATE_DICT" in str(plugin.state_dict_type):
+            return save_model(self, output_dir, _internal_call=_internal_call)
+        # set_state_dict_type fills the configs only where they are None: keep all three
+        saved = {name: getattr(plugin, name) for name in _STATE_DICT_ATTRS}
+        for name in _STATE_DICT_ATTRS[1:]:
+            setattr(plugin, name, None)
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+        try:
+            return save_model(self, output_dir, _internal_call=_internal_call)
+        finally:
+            for name, value in saved.items():
+                setattr(plugin, name, value)
+
+    setattr(wrapped, _WRAPPED, True)
+    return wrapped
