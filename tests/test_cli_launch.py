@@ -21,6 +21,7 @@ from _accelerate import OVERLAP_YAML, ROOT, copy_yaml, fsdp_overlap, output
 from fsdp_overlap_plugin.accelerate.config import launch_args, launcher_config_file
 from fsdp_overlap_plugin.cli import commands, launch
 from fsdp_overlap_plugin.cli import main as cli_main
+from fsdp_overlap_plugin.cli.launch import RUNNER
 
 CONFIG = "configs/overlap.yaml"
 FSDP_OVERLAP = Path(sys.executable).with_name("fsdp-overlap")
@@ -171,6 +172,8 @@ def test_launcher_arguments_pass_through_and_reach_the_check(capsys, launched, c
     assert cmd == [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG, *world] + [
         "--mixed_precision",
         "bf16",
+        "-m",  # the script runs under python -m fsdp_overlap_plugin.accelerate: no import needed in it
+        "fsdp_overlap_plugin.accelerate",
         "train.py",
         "--config",
         "b.yaml",
@@ -277,6 +280,25 @@ def test_model_plan_errors_need_the_model(capsys, launched, tmp_path):
 def test_the_launchers_exit_code_is_ours(capsys, launched, monkeypatch):
     monkeypatch.setattr(launch, "_run", lambda cmd, env: 7)
     assert run(capsys, "--config", CONFIG, "train.py")[0] == 7
+
+
+@pytest.mark.parametrize(
+    ("given", "started"),
+    [
+        (["--num_processes", "2", "t.py", "-m", "x"], ["--num_processes", "2", "-m", RUNNER, "t.py", "-m", "x"]),
+        (["-m", "pkg.train", "--lr", "3"], ["-m", RUNNER, "-m", "pkg.train", "--lr", "3"]),
+        (["--", "t.py", "--lr", "3"], ["-m", "--", RUNNER, "t.py", "--lr", "3"]),
+        (["--no_python", "./train.sh"], ["--no_python", "./train.sh"]),  # not a Python script: as given
+        (["--num_processes", "2"], ["--num_processes", "2"]),  # no script: the launcher says so
+    ],
+)
+def test_the_script_starts_under_the_plugins_runner(given, started):
+    args = launch.split_args(["--config", "c.yaml", *given])
+    assert launch.through_plugin(args.passthrough, args.script_at) == started
+    # accelerate launch reads it as intended: the runner is the script, the rest its arguments
+    if started != given:
+        parsed = launch._parse_launcher("c.yaml", started)
+        assert parsed.module and parsed.training_script == RUNNER
 
 
 def test_worker_config_discovery_recognises_the_launcher_command():

@@ -25,7 +25,9 @@ script). Without either, one line says the plan was not checked against a model.
 
 Then ``python -m accelerate.commands.launch --config_file CONFIG ...`` runs (a form the
 workers' config discovery recognises), with ``FSDP_OVERLAP_CONFIG`` set to the absolute
-path so every worker reads this file whatever its directory; its exit code is ours (128 + N
+path so every worker reads this file whatever its directory, and the training script started
+by ``python -m fsdp_overlap_plugin.accelerate`` (``through_plugin``: the adapter is imported
+before the script runs, so a transformers ``Trainer`` script needs no change); its exit code is ours (128 + N
 for signal N). SIGTERM is forwarded to it, and SIGINT unless it came from the terminal
 (Ctrl-C reaches the launcher's process group already; twice would cut its worker shutdown).
 """
@@ -52,7 +54,7 @@ from ..config.schema import OverlapConfigError
 from .analysis import SMALL_BUCKET_BYTES
 from .errors import CliError
 
-__all__ = ["LaunchArgs", "launcher_command", "launcher_environ", "main", "split_args"]
+__all__ = ["RUNNER", "LaunchArgs", "launcher_command", "launcher_environ", "main", "split_args", "through_plugin"]
 
 CONFIG_FLAGS = ("--config", "--config_file", "--config-file")
 #: A training script names its model for the check with ``FSDP_OVERLAP_MODEL = "pkg.mod:factory"``.
@@ -86,6 +88,8 @@ class LaunchArgs:
     model: str | None = None
     model_args: list[str] = field(default_factory=list)
     passthrough: list[str] = field(default_factory=list)
+    script_at: int | None = None
+    """Where the training script (or ``--`` before it) starts in ``passthrough``."""
     help: bool = False
 
 
@@ -98,6 +102,7 @@ def split_args(argv: list[str]) -> LaunchArgs:
     while i < len(argv):
         token = argv[i]
         if token == "--" or not token.startswith("-"):  # the training script starts here
+            out.script_at = len(out.passthrough)
             out.passthrough += argv[i:]
             break
         name, eq, value = token.partition("=")
@@ -174,6 +179,29 @@ def _accelerate_environ(args: argparse.Namespace) -> dict[str, str]:
 
 def launcher_command(config: str, passthrough: list[str]) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *passthrough]
+
+
+#: What starts the training script in each worker: ``python -m fsdp_overlap_plugin.accelerate SCRIPT``.
+RUNNER = "fsdp_overlap_plugin.accelerate"
+
+
+def through_plugin(passthrough: list[str], script_at: int | None) -> list[str]:
+    """``passthrough`` with the training script started by ``python -m
+    fsdp_overlap_plugin.accelerate`` (the launcher's ``-m``), which imports the Accelerate
+    adapter first: a script that never imports the plugin (a transformers ``Trainer``
+    script) trains through it. ``SCRIPT ARGS`` -> ``-m fsdp_overlap_plugin.accelerate SCRIPT
+    ARGS``; with ``-m MODULE ARGS`` -> ``-m fsdp_overlap_plugin.accelerate -m MODULE ARGS``.
+    Unchanged without a script or with ``--no_python`` (not a Python script)."""
+    if script_at is None or script_at >= len(passthrough):
+        return list(passthrough)
+    options, rest = passthrough[:script_at], passthrough[script_at:]
+    if any(o in ("--no_python", "--no-python") for o in options):
+        return list(passthrough)
+    dashes = ["--"] if rest[0] == "--" else []
+    rest = rest[len(dashes) :]
+    if any(o in ("-m", "--module") for o in options):
+        return [*options, *dashes, RUNNER, "-m", *rest]
+    return [*options, "-m", *dashes, RUNNER, *rest]
 
 
 def _script_file(launcher: argparse.Namespace) -> Path | None:
@@ -312,8 +340,9 @@ def main(argv: list[str]) -> int:
     except (OverlapConfigError, CliError) as exc:
         print(f"fsdp-overlap launch: error: {exc}", file=sys.stderr)
         return 2
-    cmd = launcher_command(args.config, args.passthrough)
-    print(f"fsdp-overlap launch: accelerate launch --config_file {shlex.join([args.config, *args.passthrough])}")
+    passthrough = through_plugin(args.passthrough, args.script_at)
+    cmd = launcher_command(args.config, passthrough)
+    print(f"fsdp-overlap launch: accelerate launch --config_file {shlex.join([args.config, *passthrough])}")
     sys.stdout.flush()
     env = dict(os.environ, FSDP_OVERLAP_CONFIG=str(Path(args.config).expanduser().resolve()))
     return _run(cmd, env)
