@@ -280,6 +280,12 @@ COMMANDS: dict[str, Here | Real] = {
     "fsdp-overlap launch --config configs/overlap.yaml --num_processes 2 examples/accelerate_train.py": (
         ACCELERATE_REAL
     ),
+    "accelerate launch --config_file configs/overlap.yaml --num_processes 2 examples/hf_trainer.py": Real(
+        "tests/test_hf_trainer.py::test_the_trainer_trains_through_the_plugin_and_says_so",
+        also=("tests/test_hf_trainer.py::runs", "tests/_accelerate.py"),
+        tokens=("OVERLAP_YAML", "EXAMPLE", "accelerate_launch"),
+        why="the fixture launches EXAMPLE (examples/hf_trainer.py) with configs/overlap.yaml as shipped; accelerate_launch adds --num_processes 2",
+    ),
     "fsdp-overlap export checkpoints/step_00000100 trained/ --model hf:path/to/config.json": Here(),
     "fsdp-overlap inspect fsdp_overlap_plugin.models.gpt:gpt_1b": Here(),
     "fsdp-overlap inspect hf:path/to/config.json --world 8": Here(),
@@ -388,6 +394,18 @@ def check_torchrun(argv: list[str]) -> None:
     parse_script(args.training_script, args.training_script_args)
 
 
+def launched_script(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The training script and its arguments of a parsed ``accelerate launch``; through the
+    plugin's runner (``-m fsdp_overlap_plugin.accelerate SCRIPT ARGS``), the script it runs."""
+    from fsdp_overlap_plugin.cli.launch import RUNNER
+
+    if args.module and args.training_script == RUNNER:
+        script, *rest = args.training_script_args
+        assert script != "-m", "the README runs scripts, not modules"
+        return script, rest
+    return args.training_script, args.training_script_args
+
+
 def check_accelerate(argv: list[str], capsys) -> None:
     from accelerate.commands.launch import launch_command_parser
 
@@ -399,7 +417,7 @@ def check_accelerate(argv: list[str], capsys) -> None:
     # the config as the workers' prepare() will read it (fsdp-overlap check uses that reader)
     assert main(["check", args.config_file, "--json"]) == 0, capsys.readouterr()
     assert json.loads(capsys.readouterr().out)["config"]["shape"] == "accelerate"
-    parse_script(args.training_script, args.training_script_args)
+    parse_script(*launched_script(args))
 
 
 def check_make(argv: list[str]) -> None:
@@ -453,7 +471,8 @@ def check_fsdp_overlap(argv: list[str], capsys, monkeypatch, sandbox: Path) -> N
         (cmd,) = started
         assert cmd[1:3] == ["-m", "accelerate.commands.launch"], cmd
         args = launch_command_parser().parse_args(cmd[3:])  # what it starts, as Accelerate reads it
-        parse_script(args.training_script, args.training_script_args)
+        assert args.module and args.training_script == "fsdp_overlap_plugin.accelerate", cmd  # its runner
+        parse_script(*launched_script(args))
         return
     code = main([*argv[1:], "--json"])
     out, err = capsys.readouterr()
