@@ -168,11 +168,16 @@ def test_bf16_trains_close_to_one_process_bf16(tmp_path):
 
 def test_a_script_that_never_imports_the_plugin_trains_through_it_under_its_runner(tmp_path):
     config = copy_yaml(tmp_path / "overlap.yaml", fsdp_overlap_backend="aot_eager")
-    proc = accelerate_launch(config, "{}", str(tmp_path / "out"), script=PLAIN, launcher_args=RUNNER)
+    options = json.dumps({"save_strategy": "steps", "save_steps": 1})
+    proc = accelerate_launch(config, options, str(tmp_path / "out"), script=PLAIN, launcher_args=RUNNER)
     text = output(proc)
     assert proc.returncode == 0, text[-6000:]
     assert text.count("fsdp-overlap summary: 2 ranks, compiled with aot_eager, both passes on") == 1
     assert text.count("trained: LlamaForCausalLM, parameters DTensor") == 2  # both ranks: sharded, not wrapped
+    # two step checkpoints, read from the shards: Accelerate's FSDP helpers look each parameter
+    # up through its gathering property (a full all-gather each) unless the plugin turns it off
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert text.count("parameter gathers while checkpointing: 0") == 2
 
 
 def test_an_option_the_plugin_cannot_honour_stops_at_startup_naming_it(tmp_path):
