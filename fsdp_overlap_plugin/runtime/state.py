@@ -74,6 +74,8 @@ class OverlapState:
     exchanges_before: int = 0  # all-to-alls those groups had run when this model was parallelized
     reduce_scatter_reason: str = ""  # why (devices.reduce_scatter_choice)
     replica_sync: Any = None  # accumulation.ReplicaSync of the compiled model
+    # shard/takeover.AfterPrepare: what prepare fixed, checked by the compiled forward and the backend
+    after_prepare: Any = None
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph; the same on
