@@ -38,6 +38,10 @@ PLUGIN_COMPILES = (
 )
 
 
+def _gpt() -> torch.nn.Module:
+    return make_model(n_layer=2)  # plan: embeddings, blocks.0, blocks.1, norm + head
+
+
 def _step(model, n: int = 1) -> None:
     x, y = batches(1)[0]
     for _ in range(n):
@@ -47,8 +51,8 @@ def _step(model, n: int = 1) -> None:
 def _bucketed(model) -> dict:
     """What the passes did on the first step: the plugin's graphs, bucketed."""
     report = fo.schedule_report(model)
-    assert report["forward"]["after"]["all_gather"] == 6, report["forward"]  # one per plan entry
-    assert report["backward"]["after"]["reduce_scatter"] == 6, report["backward"]
+    assert report["forward"]["after"]["all_gather"] == 4, report["forward"]  # one per plan entry
+    assert report["backward"]["after"]["reduce_scatter"] == 4, report["backward"]
     assert all("_orig_mod" not in fqn for entry in report["plan"] for fqn in entry), report["plan"]
     assert fo.format_report(report).splitlines()[0].endswith("compiled with aot_eager, both passes on")
     return report
@@ -61,7 +65,7 @@ def _one_rank():
 # ------------------------------------------------------------------ compiled before prepare
 def test_torch_compile_wrapper_is_taken_over_and_its_module_returned(capsys):
     with fake_world(2):
-        inner = make_model()
+        inner = _gpt()
         wrapped = torch.compile(inner, backend="eager", mode=None)
         out = fo.parallelize(wrapped, **AOT)
         assert out is inner and type(out).__name__ == "GPT"
@@ -70,7 +74,7 @@ def test_torch_compile_wrapper_is_taken_over_and_its_module_returned(capsys):
         report = _bucketed(out)
         # the wrapper the user kept still runs the plugin's compiled forward (its Dynamo stops at it)
         _step(wrapped)
-        assert fo.schedule_report(wrapped)["forward"]["after"]["all_gather"] == 6
+        assert fo.schedule_report(wrapped)["forward"]["after"]["all_gather"] == 4
     err = capsys.readouterr().err
     line = next(line for line in err.splitlines() if line.startswith(TAKEN_OVER))
     assert line == TAKEN_OVER + "torch.compile(model) given: the module inside it is prepared). " + PLUGIN_COMPILES
@@ -80,14 +84,14 @@ def test_torch_compile_wrapper_is_taken_over_and_its_module_returned(capsys):
 
 def test_compile_in_place_compiled_forward_and_compiled_blocks_are_undone(capsys):
     with fake_world(2):
-        model = make_model()
+        model = _gpt()
         model.compile(backend="eager")
-        for block in model.blocks[1:3]:
-            block.compile(backend="eager")
+        model.blocks[1].compile(backend="eager")
         model.blocks[0] = torch.compile(model.blocks[0], backend="eager")
         model.forward = torch.compile(model.forward, backend="eager")
+        model.head.forward = torch.compile(model.head.forward, backend="eager")  # a torch.nn module's: wrapped twice
         out = fo.parallelize(model, **AOT)
-        assert out is model and "forward" not in vars(model)
+        assert out is model and "forward" not in vars(model) and "forward" not in vars(model.head)
         assert all(vars(b).get("_compiled_call_impl") is None for b in model.blocks)
         assert type(model.blocks[0]).__name__ == "Block"  # no wrapper left
         _step(model)
@@ -96,8 +100,8 @@ def test_compile_in_place_compiled_forward_and_compiled_blocks_are_undone(capsys
     assert report["plan"][1] == ["blocks.0"]
     assert report["adjustments"][:3] == [
         "torch.compile(...) around blocks.0: replaced by the module inside",
-        ".compile() on the model, blocks.1, blocks.2: undone",
-        "forward = torch.compile(forward) on the model: undone",
+        ".compile() on the model, blocks.1: undone",
+        "forward = torch.compile(forward) on the model, head: undone",
     ]
     assert capsys.readouterr().err.count(TAKEN_OVER) == 1  # one line for all of it
 
@@ -108,7 +112,7 @@ def test_taken_over_compile_trains_bitwise_like_the_plain_model():
     runs = []
     for compiled in (False, True):
         with _one_rank():
-            model = make_model()
+            model = _gpt()
             model = fo.parallelize(torch.compile(model) if compiled else model, **AOT)
             runs.append((train_sharded(model, 0, 1, steps=3), full_params(model)))
     (losses, params), (losses_c, params_c) = runs
@@ -119,12 +123,12 @@ def test_taken_over_compile_trains_bitwise_like_the_plain_model():
 def test_disabled_model_or_forward_cannot_be_taken_over():
     with fake_world(2):
         with pytest.raises(CompiledModelError, match=r"the model is wrapped in torch\.compiler\.disable"):
-            fo.parallelize(torch.compiler.disable(make_model()), **AOT)
-        model = make_model()
+            fo.parallelize(torch.compiler.disable(_gpt()), **AOT)
+        model = _gpt()
         model.blocks[1].forward = torch.compiler.disable(model.blocks[1].forward)
         with pytest.raises(CompiledModelError, match=r"blocks\.1\.forward is wrapped in torch\.compiler\.disable"):
             fo.parallelize(model, **AOT)
-        model = make_model()
+        model = _gpt()
         model.forward = torch.compile(lambda x: x, backend="eager")
         with pytest.raises(CompiledModelError, match=r"not a method of the module.*Remove the torch\.compile"):
             fo.parallelize(model, **AOT)
@@ -134,7 +138,7 @@ def test_disabled_model_or_forward_cannot_be_taken_over():
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_torch_compile_around_the_prepared_model_runs_the_plugin_inside(fullgraph, capsys):
     with fake_world(2):
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         _step(torch.compile(model, backend="eager", fullgraph=fullgraph), n=2)
         report = _bucketed(model)
     note = report["adjustments"][-1]
@@ -144,12 +148,12 @@ def test_torch_compile_around_the_prepared_model_runs_the_plugin_inside(fullgrap
 
 def test_compile_of_the_prepared_model_in_place_is_an_error():
     with fake_world(2):
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         model.compile(backend="eager")
         with pytest.raises(ChangedAfterPrepareError, match="compiled by a torch.compile other than the plugin's"):
             _step(model)
     with fake_world(2):  # a fresh Dynamo: the first compile's cached frames would run the second model
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         model.compile(backend="eager", fullgraph=True)  # Dynamo's own error, quoting ours
         with pytest.raises(Exception, match="compiled by a torch.compile other than the plugin's"):
             _step(model)
@@ -157,7 +161,7 @@ def test_compile_of_the_prepared_model_in_place_is_an_error():
 
 def test_compiled_forward_after_prepare_is_undone_before_the_first_step_refused_after():
     with fake_world(2):
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         model.forward = torch.compile(model.forward, backend="eager")
         _step(model)
         report = _bucketed(model)
@@ -172,7 +176,7 @@ def test_compiled_forward_after_prepare_is_undone_before_the_first_step_refused_
 
 def test_cast_after_prepare_is_an_error_naming_the_call():
     with fake_world(2):
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         model.to(torch.bfloat16)
         x, _ = batches(1)[0]
         with pytest.raises(
@@ -182,7 +186,7 @@ def test_cast_after_prepare_is_an_error_naming_the_call():
         ):
             model(x[:2])
         # after a step torch itself refuses the cast: the compiled frames hold the parameters
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         _step(model)
         with pytest.raises(RuntimeError, match="Couldn't swap"):
             model.half()
@@ -190,7 +194,7 @@ def test_cast_after_prepare_is_an_error_naming_the_call():
 
 def test_replaced_module_after_prepare_is_an_error():
     with fake_world(2):
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         _step(model)
         model.head = torch.nn.Linear(model.head.in_features, model.head.out_features, bias=False)
         with pytest.raises(
@@ -203,7 +207,7 @@ def test_a_module_called_on_its_own_is_said_once():
     """Code that calls a module of the prepared model directly bypasses the plugin's
     compiled forward: it runs, uncompiled, and the first such gather says so."""
     with fake_world(2):
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         _step(model)
         x = torch.randn(2, 16, model.head.in_features)
         with pytest.warns(UserWarning, match=r"parameter head\.weight was gathered outside the plugin's compiled"):
@@ -218,14 +222,14 @@ def test_no_graph_for_the_plugin_is_an_error():
     """A forward the plugin's Dynamo never traces (here: Dynamo switched off) is a run without
     the plugin: the first call says so instead of training on."""
     with fake_world(2), torch._dynamo.config.patch(disable=True):  # (monkeypatch's undo deletes config entries)
-        model = fo.parallelize(make_model(), fullgraph=False, **AOT)  # fullgraph: Dynamo's own error first
+        model = fo.parallelize(_gpt(), fullgraph=False, **AOT)  # fullgraph: Dynamo's own error first
         with pytest.raises(ChangedAfterPrepareError, match=r"no graph \(Dynamo is switched off: TORCHDYNAMO_DISABLE"):
             _step(model)
 
 
 def test_report_before_the_first_step_says_the_passes_have_not_run():
     with fake_world(2):
-        model = fo.parallelize(make_model(), **AOT)
+        model = fo.parallelize(_gpt(), **AOT)
         text = fo.format_report(fo.schedule_report(model))
     assert text.splitlines()[0] == (
         "fsdp-overlap summary: 2 ranks, compiled with aot_eager; the passes (both on) have not run on anything yet"
@@ -320,7 +324,7 @@ def test_gradient_checkpointing_enable_again_after_the_first_step_changes_nothin
 def _job(rank: int, world: int) -> dict:
     out: dict = {}
     torch._dynamo.reset()
-    base = make_model()
+    base = _gpt()
     out["gpt reference"] = train_reference(base, steps=3) if rank == 0 else None
     model = fo.parallelize(torch.compile(copy.deepcopy(base)), **AOT)
     out["gpt compiled"] = {"losses": train_sharded(model, rank, world, steps=3), "params": full_params(model)}

@@ -129,10 +129,11 @@ def _restore_forward(module: nn.Module, name: str) -> bool:
         )
     while (inner := compat.compile_wrapper(original)) is not None and not isinstance(inner[0], nn.Module):
         original = inner[0]  # torch.compile(torch.compile(module.forward))
+    # Dynamo wraps a torch.nn module's forward once more (functools.wraps: __wrapped__)
+    while getattr(original, "__self__", None) is not module and hasattr(original, "__wrapped__"):
+        original = original.__wrapped__
     if getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is own:
         del module.forward  # the class's forward again
-    elif original is own:
-        del module.forward
     elif getattr(original, "__self__", None) is module:
         module.forward = original  # a bound method of its own, other than forward
     else:
