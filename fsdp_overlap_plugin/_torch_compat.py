@@ -51,16 +51,20 @@ __all__ = [
     "aot_autograd",
     "chain_graph_passes",
     "compile_fx",
+    "compile_wrapper",
+    "compiler_disable",
     "control_deps_op",
     "custom_graph_pass_class",
     "default_store",
     "detect_fake_mode",
     "dynamo_counters",
+    "dynamo_switched_off",
     "recompile_limit",
     "dynamo_unsupported_error",
     "eager_backward_lowering",
     "foreach_copy_",
     "fx_annotate",
+    "in_compile_wrapper",
     "inductor_cache_dir",
     "inductor_config",
     "inference_aware_pass_class",
@@ -379,6 +383,48 @@ def inductor_cache_dir() -> str:
         return cache_dir()
     user = "".join(c if c.isalnum() else "_" for c in os.environ.get("USER", "user"))
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+
+
+# --------------------------------------------------------------------------- a user's own torch.compile
+def compile_wrapper(obj: Any) -> tuple[Any, bool] | None:
+    """What ``torch.compile`` or ``torch.compiler.disable`` wrapped in ``obj``, and whether it
+    is a ``disable``: ``(module, disabled)`` for ``torch.compile(module)``'s wrapper
+    (``torch._dynamo.eval_frame.OptimizedModule``: ``_orig_mod``, its ``dynamo_ctx`` a
+    ``DisableContext`` for a disable), ``(callable, disabled)`` for a wrapped function
+    (``_torchdynamo_orig_callable``, ``_torchdynamo_disable``); None for anything else."""
+    wrapper_class = _attr("torch._dynamo.eval_frame", "OptimizedModule")
+    if wrapper_class is not None and isinstance(obj, wrapper_class):
+        disable_class = _attr("torch._dynamo.eval_frame", "DisableContext")
+        disabled = disable_class is not None and isinstance(getattr(obj, "dynamo_ctx", None), disable_class)
+        return obj._orig_mod, disabled
+    original = getattr(obj, "_torchdynamo_orig_callable", None)
+    if original is None or isinstance(obj, type) or not callable(obj):
+        return None
+    return original, bool(getattr(obj, "_torchdynamo_disable", False))
+
+
+def in_compile_wrapper() -> bool:
+    """Whether a ``torch.compile(module)`` wrapper's call is running now (it sets a flag in
+    Dynamo's ``eval_frame`` for its duration); False where this torch has no such flag."""
+    flag = _attr("torch._dynamo.eval_frame", "_is_in_optimized_module")
+    return bool(flag()) if flag is not None else False
+
+
+def dynamo_switched_off() -> bool:
+    """Whether Dynamo is switched off in this process (``TORCHDYNAMO_DISABLE=1``, or
+    ``torch._dynamo.config.disable``): every ``torch.compile`` then runs eagerly."""
+    import torch._dynamo
+
+    return bool(getattr(torch._dynamo.config, "disable", False))
+
+
+def compiler_disable(fn: Callable, reason: str) -> Callable:
+    """``torch.compiler.disable(fn, reason=...)`` (public; ``reason`` is newer than the
+    function: where it is missing, Dynamo's graph-break message just lacks it)."""
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # pragma: no cover - a torch whose disable takes no reason
+        return torch.compiler.disable(fn)
 
 
 # --------------------------------------------------------------------------- checkpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -10,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config.schema import OverlapConfig, OverlapConfigError
 from .contract import BucketIndex
-from .report.messages import install_excepthook
+from .report.messages import install_excepthook, say
 from .runtime import accumulation, devices
 from .runtime.exchange import build_receive_first_group, exchanges_run
 from .runtime.state import _STATE_ATTR, OverlapState, local_layout, model_fingerprint
@@ -19,8 +20,12 @@ from .shard.activation_checkpointing import apply_activation_checkpointing
 from .shard.export import install_save_pretrained
 from .shard.preflight import preflight
 from .shard.sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
+from .shard.takeover import AfterPrepare, compile_notes_line, uncompiled
 
-__all__ = ["parallelize", "unbucketed_parameters"]
+__all__ = ["parallelize", "pop_compile_notes", "take_over_compiled", "unbucketed_parameters"]
+
+# What take_over_compiled undid on a module, kept on it until parallelize reports it.
+_COMPILE_NOTES_ATTR = "_fsdp_overlap_compile_notes"
 
 # A configuration error that reaches the top of a rank uncaught is printed once, short
 # (report/messages.py); installed on import (errors before any process group) and again in
@@ -49,6 +54,28 @@ def unbucketed_parameters(model: nn.Module, plan: list[list[str]]) -> list[str]:
     return [fqn for fqn, entry in parameter_entries(model, plan).items() if entry is None]
 
 
+def take_over_compiled(model: nn.Module) -> nn.Module:
+    """``model`` with the user's own ``torch.compile`` taken off (``shard/takeover.py``):
+    a ``torch.compile(model)`` wrapper gives the module inside it, a compiled child is
+    replaced by the module inside it, ``model.compile()`` and a compiled ``forward`` are
+    undone. Says so in one line (rank 0) and keeps the notes on the returned module for
+    ``parallelize`` to put in the report. Every entry point calls it first (``parallelize``,
+    Accelerate's ``prepare``, the Lightning strategies), so plans, optimizers and the
+    returned model all see the module the plugin compiles."""
+    module, notes = uncompiled(model)
+    if notes:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        say(rank, compile_notes_line(notes))
+        pending = getattr(model, _COMPILE_NOTES_ATTR, None) or []
+        setattr(module, _COMPILE_NOTES_ATTR, pending + notes)
+    return module
+
+
+def pop_compile_notes(module: nn.Module) -> list[str]:
+    """The notes ``take_over_compiled`` kept on ``module`` (none left after)."""
+    return vars(module).pop(_COMPILE_NOTES_ATTR, None) or []
+
+
 def parallelize(
     model: nn.Module,
     config: OverlapConfig | dict | str | None = None,
@@ -67,11 +94,16 @@ def parallelize(
             HSDP). Defaults to all ranks of the default process group, shaped by
             ``config.mesh``; a dict such as ``{"replicate": 2}`` sets ``config.mesh``.
 
-    Returns the same module object: parameters are ``DTensor`` ``Shard(0)`` shards and,
-    with ``compile: true``, its forward is compiled with the passes installed. With
-    ``compile: false`` it is wrapped the eager FSDP2 way (``fully_shard`` per bucket).
+    Returns the module it prepared: the same module object, whose parameters are now
+    ``DTensor`` ``Shard(0)`` shards and, with ``compile: true``, whose forward is compiled
+    with the passes installed. With ``compile: false`` it is wrapped the eager FSDP2 way
+    (``fully_shard`` per bucket). A model the user compiled first is taken over
+    (``take_over_compiled``): for ``torch.compile(model)`` the module inside the wrapper is
+    prepared and returned (use it in the wrapper's place: the wrapper would run the
+    user's Dynamo around the plugin's compiled forward, for nothing).
     """
     install_excepthook()  # outermost again, over init_process_group's
+    model = take_over_compiled(model)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         overrides["mesh"] = mesh  # the config field (a dict / MeshConfig), not a DeviceMesh
         mesh = None
@@ -104,13 +136,14 @@ def parallelize(
         last_bucket=max((e for e in entries.values() if e is not None), default=None),
         param_entries=entries,
     )
-    state.adjustments.extend(checked.notes)
+    state.adjustments.extend(pop_compile_notes(model) + checked.notes)
     state.reduce_scatter_impl, state.reduce_scatter_reason = devices.reduce_scatter_choice(
         config.reduce_scatter_impl,
         devices.backend_for(device_type),
         mesh.shape[-1],
         compiled=config.compile,
     )
+    hf_layers = [fqn for _, layers in hf.checkpointing_layers(model) for fqn in layers]
     hf.disable_own_checkpointing(model)
     if checkpointed:
         state.checkpointed = apply_activation_checkpointing(
@@ -133,7 +166,10 @@ def parallelize(
 
         compile_model(model, state)
         gather = next(m._fsdp_overlap_gather for m in model.modules() if hasattr(m, "_fsdp_overlap_gather"))
+        gather.compiled = True
         state.replica_sync = accumulation.install(model, gather, mesh)
+        from_config = [fqn for fqn in checkpointed if fqn not in hf_layers]
+        state.after_prepare = AfterPrepare(model, state, hf_layers, from_config)
     else:
         fully_shard_plan(model, mesh, plan, config, notes=state.adjustments)
     # transformers' own save_pretrained would gather each sharded tensor on the writing

@@ -195,8 +195,36 @@ def _core_reference(rank: int, world: int) -> list[float]:
     return core_losses(model, batches, rank, world, BATCH_PER_RANK, LR, max_grad_norm=0.5)
 
 
+def _compiled(rank: int, world: int, yaml_path: str) -> dict:
+    """prepare(accelerator, torch.compile(model), ...): the module inside the wrapper is
+    prepared and returned, compiled by the plugin with its passes (issue 54)."""
+    import torch
+
+    import fsdp_overlap_plugin as fo
+    from fsdp_overlap_plugin.accelerate import prepare
+
+    accelerator = _fresh_accelerator(fsdp=False)
+    inner = _model(seed=0)
+    wrapped = torch.compile(inner, backend="eager")
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    _, loader = _data(world)
+    model, opt, loader = prepare(accelerator, wrapped, optimizer, loader, config=yaml_path)
+    losses = [_step(accelerator, model, opt, x, y) for x, y in loader]
+    report = fo.schedule_report(model)
+    return {
+        "losses": losses,
+        "returned_inner": model is inner,
+        "optimizer_holds_model_params": [id(p) for g in opt.optimizer.param_groups for p in g["params"]]
+        == [id(p) for p in model.parameters()],
+        "plan": report["plan"],
+        "gathers": report["forward"]["after"]["all_gather"],
+        "adjustments": report["adjustments"],
+    }
+
+
 def _job(rank: int, world: int, yaml_path: str, tmp: str) -> dict:
     return {
+        "compiled": _compiled(rank, world, yaml_path),
         "multi_cpu": _train_and_resume(rank, world, yaml_path, f"{tmp}/multi_cpu", fsdp=False),
         "fsdp": _train_and_resume(rank, world, yaml_path, f"{tmp}/fsdp", fsdp=True),
         "reference": _core_reference(rank, world),
@@ -236,6 +264,18 @@ def test_losses_equal_the_core_parallelize_run(results, mode):
     assert len(set(reference)) == STEPS  # the steps did train
     for rank in (0, 1):
         assert results[rank][mode]["losses"] == reference  # bitwise: same numerics, same data split
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_taken_over_and_trains_like_the_core_run(results):
+    for rank in (0, 1):
+        run = results[rank]["compiled"]
+        assert run["returned_inner"] and run["optimizer_holds_model_params"]
+        assert run["losses"] == results[0]["reference"]  # bitwise: the plugin's graphs, not the user's compile
+    run = results[0]["compiled"]
+    assert all(not fqn.startswith("_orig_mod") for entry in run["plan"] for fqn in entry)
+    assert run["gathers"] == len(run["plan"])  # bucketed by the passes
+    assert run["adjustments"][0] == "torch.compile(model) given: the module inside it is prepared"
 
 
 @pytest.mark.slow

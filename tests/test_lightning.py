@@ -189,6 +189,23 @@ def test_auto_selects_the_single_child_holding_parameters():
         select_target(root, "modle")
 
 
+def test_a_compiled_lightning_module_given_to_fit_is_refused_by_lightning():
+    """Trainer.fit(torch.compile(lit)): Lightning itself refuses a compiled LightningModule
+    under any strategy but its own single-device, DDP and FSDP ones, before anything runs
+    (docs/lightning.md). A compiled model *inside* the LightningModule is taken over instead
+    (test_lightning_trainer.py)."""
+    from _lightning import LitGPT
+
+    trainer = lp.Trainer(strategy="fsdp_overlap", accelerator="cpu", devices=2, logger=False)
+    lit = LitGPT(seed=0, n_layer=1)
+    with pytest.raises(
+        RuntimeError,
+        match="Using a compiled model is incompatible with the current strategy: "
+        "`FSDPOverlapStrategy`.*avoid passing in compiled model",
+    ):
+        trainer.fit(torch.compile(lit))
+
+
 def test_report_metrics_flatten_the_schedule_report():
     report = {
         "plan": [["a"], ["b"]],

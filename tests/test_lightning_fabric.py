@@ -148,9 +148,34 @@ def _init_on_meta(rank: int, world: int, root: str) -> dict:
     return {"on_meta": on_meta, "fabric": full_params(model), "core": initial}
 
 
+def _compiled(rank: int, world: int, root: str) -> dict:
+    """fabric.setup(torch.compile(model)): Fabric takes the wrapper off, the strategy
+    prepares the module, Fabric compiles it again with the user's arguments; that outer
+    compile stops at the model, whose own compiled forward runs with the passes."""
+    batches = rank_batches(dataset(8), rank, world)
+    torch._dynamo.reset()
+    fabric = _fabric()
+    model = torch.compile(_model(0), backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = fabric.setup(model, optimizer)
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "report": fabric.strategy.schedule_report,
+        "core": core_run(_model(0), batches, **FAST)["losses"],
+    }
+
+
 def _all(rank: int, world: int, root: str) -> dict:
     return {
         "train": _train_and_resume(rank, world, f"{root}/train"),
+        "compiled": _compiled(rank, world, root),
         "clip": _clip_and_accumulate(rank, world, root),
         "meta": _init_on_meta(rank, world, root),
     }
@@ -169,6 +194,15 @@ def test_fabric_trains_like_core_parallelize(results):
     report = results[0]["train"]["report"]
     assert report["mode"] == "compiled" and len(report["plan"]) == 4
     assert results[0]["train"]["metrics"]["fsdp_overlap/backward_reduce_scatters_before"] == 29
+
+
+def test_fabric_compiling_the_model_again_runs_the_plugin_inside(results):
+    for r in results:
+        run = r["compiled"]
+        assert run["losses"] == run["core"], (run["losses"], run["core"])  # bitwise: the plugin's graphs
+    report = results[0]["compiled"]["report"]
+    assert report["forward"]["after"]["all_gather"] == len(report["plan"]) == 4  # bucketed by the passes
+    assert any(a.startswith("the model is called through a torch.compile(...) wrapper") for a in report["adjustments"])
 
 
 def test_fabric_sharded_checkpoint_resumes_exactly(results):

@@ -223,6 +223,30 @@ def _configure_model(rank: int, world: int, root: str) -> dict:
     return {"losses": lit.losses, "initial": lit.initial, "core": core}
 
 
+def _compiled_child(rank: int, world: int, root: str) -> dict:
+    """``self.model = torch.compile(self.model)`` in configure_model: the strategy puts the
+    module inside the wrapper back on the LightningModule and compiles it itself, with the
+    passes (issue 54: before, the user's compile ran, gathering per parameter)."""
+
+    class CompiledChild(LitGPT):
+        def configure_model(self) -> None:
+            self.model = torch.compile(self.model, backend="eager")
+
+    data = dataset(8)
+    torch._dynamo.reset()
+    lit = CompiledChild(seed=0, **GPT)
+    tr = trainer(root, max_epochs=1, strategy=_strategy())
+    tr.fit(lit, loader(data))
+    core = core_run(_core_model(0), rank_batches(data, rank, world, 1), **FAST)
+    return {
+        "losses": lit.losses,
+        "core": core["losses"],
+        "child": type(lit.model).__name__,
+        "keys": list(lit.state_dict()),
+        "report": tr.strategy.schedule_report,
+    }
+
+
 def _plain_string(rank: int, world: int, root: str) -> dict:
     """The literal user line: strategy="fsdp_overlap" (bucket_plans auto, passes on, inductor)."""
     data = dataset(8)
@@ -314,6 +338,7 @@ def _all(rank: int, world: int, root: str) -> dict:
         ("precision", _precision),
         ("checkpointing", _checkpointing),
         ("configure_model", _configure_model),
+        ("compiled_child", _compiled_child),
         ("plain", _plain_string),
         ("bypass", _bypass),
         ("cli", _lightning_cli),
@@ -451,6 +476,17 @@ def test_configure_model_on_meta_matches_core_materialize(results):
     assert torch.equal(initial["blocks.0.attn.qkv.bias"], torch.zeros(192))
     std = initial["blocks.0.mlp.fc.weight"].std().item()
     assert 0.017 < std < 0.023, std  # GPT init, std 0.02
+
+
+def test_a_compiled_child_is_taken_over_and_trains_like_core(results):
+    for r in results:
+        run = r["compiled_child"]
+        assert run["losses"] == run["core"], (run["losses"], run["core"])  # bitwise: the plugin's graphs
+        assert run["child"] == "GPT" and all("_orig_mod" not in k for k in run["keys"])
+    report = results[0]["compiled_child"]["report"]
+    assert all(not fqn.startswith("_orig_mod") for entry in report["plan"] for fqn in entry)
+    assert report["forward"]["after"]["all_gather"] == len(report["plan"])  # bucketed by the passes
+    assert report["adjustments"][0] == "torch.compile(...) around model: replaced by the module inside"
 
 
 def test_plain_string_inductor_matches_core(results):

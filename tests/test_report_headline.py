@@ -98,8 +98,23 @@ def test_headline_without_overlap(llama_report):
     ]
     failed = dict(eager, mode="eager after a compile failure", fallback_reason="boom")
     assert "running uncompiled after a compile failure" in headline(failed)[0]
-    fresh = dict(report, forward=None, backward=None)
-    assert headline(fresh)[-1] == "  not compiled yet: the numbers come after the first training step"
+    assert report["called"] is True
+    # before the plugin's compiled forward has run: the passes are on but have run on nothing
+    fresh = dict(report, forward=None, backward=None, graphs=[], called=False)
+    assert headline(fresh)[0] == (
+        "fsdp-overlap summary: 2 ranks, compiled with aot_eager; the passes (both on) have not run on anything yet"
+    )
+    assert headline(fresh)[-1].startswith(
+        "  not compiled yet: the plugin's compiled forward has not been called. The numbers come after the first "
+        "training step; if one has run, it ran without the plugin"
+    )
+    assert "passes: manual_bucketing, overlap_grad_reduce (not run on any graph yet)" in fo.format_report(fresh)
+    ran_nothing = dict(fresh, called=True)
+    assert "have not run on anything yet" in headline(ran_nothing)[0]
+    assert headline(ran_nothing)[-1] == "  the compiled forward ran, but no graph of it has reached the passes"
+    inference_only = dict(report, forward=None, backward=None, graphs=[dict(report["graphs"][0], inference=True)])
+    assert headline(inference_only)[0].endswith("both passes on")
+    assert headline(inference_only)[-1].startswith("  no training graph compiled yet (only inference)")
     one = dict(report, passes={"manual_bucketing": False, "overlap_grad_reduce": True})
     assert headline(one)[0].endswith("only overlap_grad_reduce on")
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from .._accelerate_compat import mark_prepared, prepared_models, prepared_objects
 from ..config.schema import OverlapConfig, OverlapConfigError
-from ..parallelize import parallelize
+from ..parallelize import parallelize, take_over_compiled
 from ..report.messages import install_excepthook, say
 from ..report.schedule import format_report, schedule_report
 from ..runtime import devices
@@ -143,6 +143,9 @@ def prepare(
     ``save_state`` and ``load_state`` work. Configuration errors are raised on every rank
     before any collective. ``config`` / ``overrides``: see ``load_config``.
     """
+    # torch.compile(model): the module inside is prepared and returned in its place (its
+    # parameters are the wrapper's, so an optimizer built on either still matches)
+    objects = tuple(take_over_compiled(o) if isinstance(o, nn.Module) else o for o in objects)
     models = [o for o in objects if isinstance(o, nn.Module)]
     if len(models) != 1:
         raise ValueError(

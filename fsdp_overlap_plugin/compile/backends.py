@@ -99,6 +99,10 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
     def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
         from ..runtime.ranks import RankAgreement, graph_fingerprint
 
+        if state.after_prepare is not None:
+            # a recompile may come from a change to the model since prepare (Dynamo's guards
+            # saw a new dtype or module): every rank raises the same error, before any round
+            state.after_prepare.check_unchanged()
         state.dynamo_graphs += 1
         index = state.dynamo_graphs
         reason = _recompile_reason(state)

@@ -21,8 +21,10 @@ import torch.nn as nn
 
 from .. import _torch_compat as compat
 from ..config.schema import OverlapConfigError
-from ..report.messages import CompileProgress
+from ..report.messages import CompileProgress, say
 from ..runtime.state import OverlapState
+from ..shard.sharding import plugin_call
+from ..shard.takeover import PLUGIN_CALL_ATTR, ChangedAfterPrepareError
 from .backends import overlap_backend
 from .diagnostics import (
     CompileFallback,
@@ -57,25 +59,55 @@ def _find(exc: BaseException, kind: type) -> BaseException | None:
     return None
 
 
+# Why the compiled forward is kept out of another torch.compile around the model (Dynamo
+# quotes it where that compile has fullgraph=True and would otherwise trace into it).
+_OUTER_COMPILE = (
+    "fsdp-overlap: the plugin's compiled forward runs on its own, inside any torch.compile around the model; "
+    "that outer compile adds nothing (pass the model uncompiled)"
+)
+
+
 def _install_call_guard(model: nn.Module, state: OverlapState, progress: CompileProgress | None = None) -> None:
     """Wrap the compiled forward: graph breaks under fullgraph become a clear error; an
     agreed compile failure switches to the eager forward; graph breaks under
-    fullgraph: false are reported once. ``progress``: rank 0's lines about compiling."""
+    fullgraph: false are reported once. ``progress``: rank 0's lines about compiling.
+
+    The wrapper is ``torch.compiler.disable``d: another ``torch.compile`` around the model
+    (``torch.compile(model)`` after prepare, Fabric compiling again what it unwrapped)
+    breaks its graph here and runs this call as it is, so the plugin's compiled forward
+    runs with its passes, never a second trace of the model by the other compile. Before
+    each call, ``state.after_prepare`` takes over or refuses changes made to the model
+    since prepare (``shard/takeover.py``)."""
     compiled = model._compiled_call_impl
     progress = progress or CompileProgress(state)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         first = not state.called
+        if state.after_prepare is not None:
+            state.after_prepare.before_call()
+        if first and compat.in_compile_wrapper() and "outer-compile" not in state.warned:
+            state.warned.add("outer-compile")
+            note = (
+                "the model is called through a torch.compile(...) wrapper (a torch.compile after prepare, or "
+                "Fabric compiling again a model it was given compiled): that compile stops at the model, whose "
+                "own compiled forward runs inside it with the passes"
+            )
+            state.adjustments.append(note)
+            say(state.rank, f"fsdp-overlap: {note}.")
         graphs_before, records_before = state.dynamo_graphs, len(state.records)
         state.guard_counts = compat.guard_failure_counts()
         progress.call_started(first)
         try:
-            out = compiled(*args, **kwargs)
+            with plugin_call():
+                out = compiled(*args, **kwargs)
         except Exception as exc:
             fallback = _find(exc, CompileFallback)
             if fallback is not None:
                 state.fallback = str(fallback)
                 model._compiled_call_impl = None  # from now on nn.Module runs the eager forward
+                for module in model.modules():  # its gathers now run eagerly by design
+                    if hasattr(module, "_fsdp_overlap_gather"):
+                        module._fsdp_overlap_gather.compiled = False
                 progress.call_finished(fallback=True)
                 warnings.warn(
                     f"fsdp-overlap: compilation failed ({state.fallback[:_WARNING_CHARS]}); on_compile_error: eager, so "
@@ -121,6 +153,8 @@ def _install_call_guard(model: nn.Module, state: OverlapState, progress: Compile
                     stacklevel=2,
                 )
         progress.call_finished()
+        if first and state.dynamo_graphs == 0:
+            raise ChangedAfterPrepareError(_no_graph_message())
         if first:
             state.called = True
             graphs = state.dynamo_graphs - graphs_before
@@ -128,7 +162,20 @@ def _install_call_guard(model: nn.Module, state: OverlapState, progress: Compile
                 _warn_graph_breaks(model, state, graphs, state.records[records_before:])
         return out
 
-    model._compiled_call_impl = call
+    setattr(call, PLUGIN_CALL_ATTR, True)
+    guarded = compat.compiler_disable(call, reason=_OUTER_COMPILE)
+    setattr(guarded, PLUGIN_CALL_ATTR, True)
+    model._compiled_call_impl = guarded
+
+
+def _no_graph_message() -> str:
+    off = " (Dynamo is switched off: TORCHDYNAMO_DISABLE=1)" if compat.dynamo_switched_off() else ""
+    return (
+        f"fsdp-overlap: the model's first compiled call ran, but Dynamo gave the plugin's compiler no graph{off}: "
+        "the forward ran outside the plugin's compile, with no passes. Something in the model is compiled or "
+        "excluded on its own (a torch.compile or torch.compiler.disable around its forward or a module, set after "
+        "prepare / parallelize): remove it, or set compile: false to train it uncompiled (plain FSDP2)."
+    )
 
 
 def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..config.keys import suggest
 from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
-from ..parallelize import parallelize
+from ..parallelize import parallelize, pop_compile_notes, take_over_compiled
 from ..report.messages import install_excepthook
 from ..runtime import devices
 from ..runtime.state import get_state
@@ -307,10 +307,17 @@ def parallelize_once(
     ``on_uninitialized``). Returns the parallelized module."""
     done = parallelized_module(root)
     if done is None:
+        # a compiled child (self.model = torch.compile(model)) is replaced on its parent by
+        # the module inside, before the target is chosen; the root itself never is a wrapper
+        # (Lightning and Fabric take theirs off first)
+        take_over_compiled(root)
         target = choose_target()
         if not on_meta(root):
             root.to(device)
         parallelize(target, config, mesh=mesh)
+        state = get_state(target)
+        if state is not None and target is not root:
+            state.adjustments[:0] = pop_compile_notes(root)
         done = target
     if on_meta(root):
         materialize(root, device, on_uninitialized=config.on_uninitialized)

@@ -237,7 +237,7 @@ class TrainerStrategyMixin(StrategyBase):
         report = schedule_report(self._parallelized)
         self.schedule_report = report
         state = get_state(self._parallelized)
-        if report["mode"] == "compiled" and report["forward"] is None and state is not None:
+        if report["mode"] == "compiled" and state is not None and not state.called:
             rank_zero_warn(
                 "fsdp_overlap: the first training step did not run the compiled forward of the parallelized "
                 f"module ({type(self._parallelized).__name__}); its parameters were gathered eagerly, one by one. "

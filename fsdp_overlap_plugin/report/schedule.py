@@ -67,6 +67,9 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             else ("compiled" if config.compile else "eager fully_shard")
         ),
         "fallback_reason": state.fallback,
+        # the plugin's compiled forward has run: no graph recorded after that means the passes
+        # had nothing to do (passes off), never a step that bypassed the plugin
+        "called": state.called,
         "world_size": state.world_size,
         "mesh": list(state.mesh_shape),
         "device_type": state.device_type,
@@ -377,7 +380,14 @@ def headline(report: dict[str, Any]) -> list[str]:
     ranks = f"{report['world_size']} ranks" + (f" ({mesh[0]} replicas of {mesh[1]} shards)" if len(mesh) == 2 else "")
     on = [name for name, enabled in report["passes"].items() if enabled]
     passes = {2: "both passes on", 1: f"only {on[0] if on else ''} on", 0: "passes off"}[len(on)]
-    if mode == "compiled":
+    if mode == "compiled" and on and not report.get("graphs"):
+        # no graph of the plugin's compile has reached the passes: "on" would say more than happened
+        which = "both" if len(on) == 2 else on[0]
+        first = (
+            f"fsdp-overlap summary: {ranks}, compiled with {report['backend']}; "
+            f"the passes ({which} on) have not run on anything yet"
+        )
+    elif mode == "compiled":
         first = f"fsdp-overlap summary: {ranks}, compiled with {report['backend']}, {passes}"
     elif report.get("fallback_reason"):
         first = f"fsdp-overlap summary: {ranks}, running uncompiled after a compile failure (no overlap passes)"
@@ -395,7 +405,7 @@ def headline(report: dict[str, Any]) -> list[str]:
         return lines
     fwd, bwd = report.get("forward"), report.get("backward")
     if not fwd and not bwd:
-        lines.append("  not compiled yet: the numbers come after the first training step")
+        lines.append(_not_run_words(report, bool(on)))
         return lines
     parts = []
     if fwd:
@@ -449,6 +459,21 @@ def headline(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _not_run_words(report: dict[str, Any], passes_on: bool) -> str:
+    """Why a compiled model has no training graph to show."""
+    if not report.get("called"):
+        return (
+            "  not compiled yet: the plugin's compiled forward has not been called. The numbers come after the "
+            "first training step; if one has run, it ran without the plugin (a module called on its own, or a "
+            "compile of the user's around it; see docs/troubleshooting.md)"
+        )
+    if not passes_on:
+        return "  compiled and run; with the passes off no graph is recorded"
+    if report.get("graphs"):
+        return "  no training graph compiled yet (only inference): the numbers come after the first training step"
+    return "  the compiled forward ran, but no graph of it has reached the passes"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A human-readable summary of ``schedule_report``: a few lines in plain words
     (``headline``), then the details, one counter per pass (each explained in docs/report.md)."""
@@ -459,9 +484,10 @@ def _details(report: dict[str, Any]) -> str:
     lines = []
     mesh = "x".join(str(s) for s in report["mesh"])
     on = [name for name, enabled in report["passes"].items() if enabled]
+    not_run = " (not run on any graph yet)" if on and report["mode"] == "compiled" and not report.get("graphs") else ""
     lines.append(
         f"fsdp-overlap schedule: {report['mode']}, world {report['world_size']} (mesh {mesh}), "
-        f"backend {report['backend']}, passes: {', '.join(on) or 'none'}"
+        f"backend {report['backend']}, passes: {', '.join(on) or 'none'}{not_run}"
     )
     if report.get("fallback_reason"):
         lines.append(f"  fell back to eager: {report['fallback_reason']}")

@@ -75,6 +75,8 @@ class OverlapState:
     reduce_scatter_reason: str = ""  # why (devices.reduce_scatter_choice)
     replica_sync: Any = None  # accumulation.ReplicaSync of the compiled model
     summary_hooked: bool = False  # Accelerate: the summary prints after the first optimizer step
+    # shard/takeover.AfterPrepare: what prepare fixed, checked by the compiled forward and the backend
+    after_prepare: Any = None
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph; the same on

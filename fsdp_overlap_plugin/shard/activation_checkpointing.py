@@ -39,6 +39,7 @@ _annotate = fx_annotate()  # torch >= 2.9 (None on an older torch)
 __all__ = [
     "apply_activation_checkpointing",
     "checkpointed_modules",
+    "remove_activation_checkpointing",
     "resolve_activation_checkpointing",
 ]
 
@@ -93,8 +94,26 @@ def apply_activation_checkpointing(
             extra = {"context_fn": context_fn} if context_fn is not None else {}
             return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False, **extra, **kwargs)
 
+        checkpointed._fsdp_overlap_original = original  # what remove_activation_checkpointing puts back
         module.forward = checkpointed
     return outer
+
+
+def remove_activation_checkpointing(model: nn.Module, fqns: list[str]) -> None:
+    """Undo ``apply_activation_checkpointing`` on the modules ``fqns``: each gets back the
+    forward it had (the class's own, where it had no other)."""
+    for fqn in fqns:
+        module = model.get_submodule(fqn)
+        original = getattr(vars(module).get("forward"), "_fsdp_overlap_original", None)
+        if original is None:
+            continue  # not checkpointed by the plugin
+        if (
+            getattr(original, "__self__", None) is module
+            and getattr(original, "__func__", None) is type(module).forward
+        ):
+            del module.forward
+        else:
+            module.forward = original
 
 
 def checkpointed_modules(model: nn.Module, config) -> tuple[list[str], list[str]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import fx_annotate
+from .._torch_compat import compiler_disable, fx_annotate
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..contract import PARAM_KEY
 
@@ -45,6 +46,7 @@ __all__ = [
     "fully_shard_plan",
     "gather_disabled",
     "is_sharded",
+    "plugin_call",
     "shard_parameters",
     "SHARD_DIM_NAME",
     "REPLICATE_DIM_NAME",
@@ -69,6 +71,53 @@ def gather_disabled() -> Iterator[None]:
         yield
     finally:
         _GATHER_ENABLED = previous
+
+
+# True while the plugin's compiled forward runs (compile/compiler.py). Dynamo reads it
+# while tracing a gather, and guards on it like any global: a gather traced while it is
+# False is being compiled by another torch.compile than the plugin's.
+_PLUGIN_CALL = False
+
+
+@contextlib.contextmanager
+def plugin_call() -> Iterator[None]:
+    """The plugin's compiled forward runs inside this block (see ``_PLUGIN_CALL``)."""
+    global _PLUGIN_CALL
+    previous = _PLUGIN_CALL
+    _PLUGIN_CALL = True
+    try:
+        yield
+    finally:
+        _PLUGIN_CALL = previous
+
+
+_COMPILED_ELSEWHERE = (
+    "fsdp-overlap: the sharded model is being compiled by a torch.compile other than the plugin's "
+    "(model.compile() or torch.compile(...) of the model or one of its modules, called after prepare / "
+    "parallelize): that compile would gather each parameter on its own, with no passes. The plugin already "
+    "compiles the model: remove that call (to change how the plugin compiles, set its backend, fullgraph or "
+    "dynamic keys)."
+)
+
+
+_BYPASS = (
+    "fsdp-overlap: parameter {fqn} was gathered outside the plugin's compiled forward: that code runs uncompiled, "
+    "gathering each parameter on its own, with no passes (a module of the model called on its own, or the model's "
+    "compiled call replaced, e.g. by model.compile() after prepare). Call the model the plugin prepared; see "
+    "docs/troubleshooting.md. (Said once per model.)"
+)
+
+
+def _refuse_foreign_compile() -> None:
+    from .takeover import ChangedAfterPrepareError
+
+    raise ChangedAfterPrepareError(_COMPILED_ELSEWHERE)
+
+
+# Dynamo does not trace a disabled function: with fullgraph: false the other compile breaks
+# its graph here and this raises when the call runs; with fullgraph: true Dynamo's own error
+# quotes the reason.
+_compiled_elsewhere = compiler_disable(_refuse_foreign_compile, reason=_COMPILED_ELSEWHERE)
 
 
 def build_mesh(config: OverlapConfig, device_type: str) -> DeviceMesh:
@@ -114,10 +163,21 @@ class _Gather:
         # HSDP: False while accumulating (runtime/accumulation.py): the traced backward leaves the
         # replica all-reduce out. Dynamo guards on it, so each value has its own graph.
         self.all_reduce = True
+        # True while the model runs compiled by the plugin (parallelize; False again after a
+        # compile failure): a gather run eagerly outside the plugin's compiled forward is
+        # then code that bypasses it, said once
+        self.compiled = False
+        self.warned = False
 
     def __call__(self, param: torch.Tensor, fqn: str | None = None) -> torch.Tensor:
         if not _GATHER_ENABLED or not isinstance(param, DTensor):
             return param
+        if torch.compiler.is_compiling():
+            if not _PLUGIN_CALL:
+                _compiled_elsewhere()
+        elif self.compiled and not _PLUGIN_CALL and not self.warned:
+            self.warned = True
+            warnings.warn(_BYPASS.format(fqn=fqn), stacklevel=3)
         if fqn is not None and _annotate is not None and torch.compiler.is_compiling():
             # every node this gather traces (the cast, the all-gather and its wait, and
             # through autograd the gradient's reduce-scatter) carries the parameter's FQN,
