@@ -10,6 +10,14 @@ return and accept the full, FQN-keyed state (``torch.distributed.checkpoint.stat
 so the files do not depend on the rank or the world size. On both, the methods run with the
 parameters' gathers off (they read the shards).
 
+On every distributed type a checkpoint is complete or absent (``shard/atomic_checkpoint.py``):
+``save_state`` writes into a hidden sibling of the folder and renames it into place once
+every rank has written (an existing folder of that name is replaced only by a complete
+one); ``load_state`` refuses a folder that lacks a file, naming it and the newest complete
+checkpoint beside it. With ``automatic_checkpoint_naming`` the folders keep Accelerate's
+names (``checkpoints/checkpoint_<i>``), the oldest beyond ``total_limit`` are removed after
+the new one is in place, and ``load_state()`` picks the newest folder, never a leftover.
+
 ``get_state_dict(model)`` (and so ``save_model``): ``export.full_state_dict``.
 """
 
@@ -17,12 +25,14 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ..shard.atomic_checkpoint import check_complete, retire, written_atomically
 from ..shard.export import full_state_dict
 from ..shard.sharding import gather_disabled
 
@@ -30,6 +40,8 @@ __all__ = ["install_checkpointing", "install_get_state_dict"]
 
 _MODELS_ATTR = "_fsdp_overlap_models"
 _EXPORTED_ATTR = "_fsdp_overlap_exported_models"
+_CHECKPOINTS = "checkpoints"  # the folder under project_dir that automatic_checkpoint_naming fills
+_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")  # a checkpoint folder's number, as Accelerate reads it
 
 
 class _AlreadyLoaded(nn.Module):
@@ -127,6 +139,7 @@ def install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) ->
     # model sharded here that is the gathering property, a full all-gather per lookup (one
     # save_state of a 2-layer GPT: 57 on a CPU launch, 115 under FSDP2). They read the shards.
     _reading_shards(accelerator, "save_state", "load_state")
+    _install_atomic_state(accelerator)
     if accelerator.distributed_type == DistributedType.FSDP:
         return  # Accelerate's FSDP2 save/load (torch.distributed.checkpoint) handles DTensor models
     ours: list = accelerator.__dict__.setdefault(_MODELS_ATTR, [])
@@ -154,3 +167,87 @@ def install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) ->
             # torch's own helper: state_dict() gathers the full FQN-keyed state (rank 0),
             # load_state_dict() takes it and keeps this rank's shard.
             patch_optimizer_state_dict(model, inner, _full_options())
+
+
+# ------------------------------------------------------------- complete or absent
+def _install_atomic_state(accelerator: Any) -> None:
+    """Wrap the accelerator's ``save_state`` / ``load_state`` (once, on the instance, on
+    every distributed type): see the module docstring."""
+    save, load = accelerator.save_state, accelerator.load_state
+    if getattr(save, "_atomic", False):
+        return
+
+    @functools.wraps(save)
+    def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> str:
+        config = accelerator.project_configuration
+        automatic = config.automatic_checkpoint_naming
+        final = _save_target(accelerator, output_dir)
+        writer = accelerator.is_local_main_process if config.save_on_each_node else accelerator.is_main_process
+        with written_atomically(final, writer=writer) as partial:
+            config.automatic_checkpoint_naming = False  # write where we say; the rotation follows
+            try:
+                save(str(partial), *args, **kwargs)
+            finally:
+                config.automatic_checkpoint_naming = automatic
+        if automatic and config.total_limit is not None:
+            if writer:  # after the new one is in place: a kill keeps total_limit complete ones
+                _rotate(final.parent, config.total_limit)
+            accelerator.wait_for_everyone()
+        return str(final)
+
+    @functools.wraps(load)
+    def load_state(input_dir: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if input_dir is None and accelerator.project_configuration.automatic_checkpoint_naming:
+            input_dir = _newest_numbered(Path(accelerator.project_dir) / _CHECKPOINTS)
+        if input_dir is not None:
+            check_complete(Path(input_dir).expanduser())
+        return load(input_dir, *args, **kwargs)
+
+    save_state._atomic = True  # type: ignore[attr-defined]
+    accelerator.save_state, accelerator.load_state = save_state, load_state
+
+
+def _save_target(accelerator: Any, output_dir: Any) -> Path:
+    """Where ``save_state(output_dir)`` puts the checkpoint, by Accelerate's rules."""
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        final = Path(accelerator.project_dir) / _CHECKPOINTS / f"checkpoint_{accelerator.save_iteration}"
+        if os.path.lexists(final):
+            raise ValueError(
+                f"Checkpoint directory {final} ({accelerator.save_iteration}) already exists. Please manually "
+                "override `self.save_iteration` with what iteration to start with."
+            )  # Accelerate's own words
+        return final
+    if output_dir is None:
+        raise ValueError(
+            "save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True) "
+            "on the Accelerator."
+        )
+    return Path(output_dir).expanduser()
+
+
+def _numbered(folder: Path) -> list[tuple[int, Path]]:
+    """The checkpoint folders in ``folder`` by number; hidden leftovers of a killed save
+    are not among them."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        number = _NUMBER.search(entry.name)
+        if number and entry.is_dir() and not entry.name.startswith("."):
+            found.append((int(number.group(1)), entry))
+    return sorted(found)
+
+
+def _newest_numbered(folder: Path) -> str:
+    numbered = _numbered(folder)
+    if not numbered:
+        raise FileNotFoundError(f"load_state(): no checkpoint in {folder} (automatic_checkpoint_naming).")
+    return str(numbered[-1][1])
+
+
+def _rotate(folder: Path, total_limit: int) -> None:
+    """Accelerate's ``total_limit``: the oldest folders beyond it are removed (renamed out
+    of sight, then deleted)."""
+    numbered = _numbered(folder)
+    for _, old in numbered[: max(len(numbered) - total_limit, 0)]:
+        retire(old)
