@@ -9,29 +9,15 @@ core (``parallelize``: plan -> shard -> compile with the passes), is marked as p
 registers it as it is. Optimizers, data loaders and schedulers go through Accelerate's
 usual ``prepare_*`` methods, in the order ``accelerator.prepare`` uses.
 
-Export: ``accelerator.get_state_dict(model)`` of a model prepared here is the plugin's
-``export.full_state_dict`` (full CPU tensors on the main process, ``{}`` elsewhere, as
-Accelerate's FSDP2 path returns), so Accelerate's recipes (``save_pretrained(state_dict=
-...)``, ``save_model``) work on every distributed type.
-
-Checkpoints: under ``distributed_type: FSDP`` (GPUs, NPUs) ``save_state`` /
-``load_state`` use Accelerate's FSDP2 code, which reads and writes DTensor models and
-optimizers through ``torch.distributed.checkpoint``. Elsewhere (a CPU launch, a DDP
-config) Accelerate writes ``get_state_dict(model)`` and ``optimizer.state_dict()`` from
-rank 0 only: there a save hook gives the tied names of the full model state (the
-plugin's ``get_state_dict``) tensors of their own for safetensors, a load hook reads it back
-and re-shards it, and the optimizer's ``state_dict`` / ``load_state_dict`` return and
-accept the full, FQN-keyed state (``torch.distributed.checkpoint.state_dict``), so the
-files do not depend on the rank or the world size.
+Export (``accelerator.get_state_dict``) and checkpoints (``save_state`` / ``load_state``) of
+the model prepared here: ``accelerate/checkpointing.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,10 +31,10 @@ from ..report.messages import install_excepthook, say
 from ..report.schedule import format_report, schedule_report
 from ..runtime import devices
 from ..runtime.state import get_state
-from ..shard.export import full_state_dict
 from ..shard.initialize import materialize
 from ..shard.preflight import preflight
-from ..shard.sharding import build_mesh, gather_disabled, is_sharded
+from ..shard.sharding import build_mesh, is_sharded
+from .checkpointing import install_checkpointing, install_get_state_dict
 from .config import ConfigSource, Resolved, load_config
 
 __all__ = [
@@ -64,8 +50,6 @@ __all__ = [
 log = logging.getLogger("fsdp_overlap_plugin.accelerate")
 
 _SOURCE_ATTR = "_fsdp_overlap_config_source"
-_MODELS_ATTR = "_fsdp_overlap_models"
-_EXPORTED_ATTR = "_fsdp_overlap_exported_models"
 
 
 # --------------------------------------------------------------------- CPU launches
@@ -186,7 +170,7 @@ def prepare(
 
     mark_prepared(model)  # Accelerate's own flag: register the model, never wrap it
     setattr(model, _SOURCE_ATTR, source)
-    _install_get_state_dict(accelerator, model)
+    install_get_state_dict(accelerator, model)
     if accelerator.is_main_process:
         if source.path is None and config is None:
             log.warning("fsdp-overlap: %s: using the defaults and Accelerate's settings.", source)
@@ -204,7 +188,7 @@ def prepare_objects(accelerator: Any, *objects: Any) -> Any:
     if not models:
         models = [m for m in prepared_models(accelerator) if get_state(m) is not None]
     for model in models:
-        _install_checkpointing(accelerator, model, prepared)
+        install_checkpointing(accelerator, model, prepared)
         _report_after_first_step(accelerator, model, prepared)
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
@@ -312,128 +296,3 @@ def _report_after_first_step(accelerator: Any, model: nn.Module, prepared: list)
             print(format_report(schedule_report(model)), flush=True)
 
     handles.extend(o.register_step_post_hook(after_step) for o in optimizers)
-
-
-# ------------------------------------------------------------------- checkpoints
-class _AlreadyLoaded(nn.Module):
-    """Stands in, in ``load_state``'s list of models, for a model the load hook has
-    already loaded: Accelerate skips it, and the models after it keep their file index."""
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):  # noqa: ARG002
-        return nn.modules.module._IncompatibleKeys([], [])
-
-
-def _full_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def _separate_tied(state: dict) -> dict:
-    """``state`` with the names of a tied weight holding separate tensors, because
-    safetensors refuses shared storage."""
-    seen: set[int] = set()
-    out = {}
-    for key, value in state.items():
-        out[key] = value.clone() if id(value) in seen else value
-        seen.add(id(value))
-    return out
-
-
-def _weights_file(input_dir: str | os.PathLike, index: int) -> Path:
-    from accelerate.utils.constants import MODEL_NAME, SAFE_MODEL_NAME
-
-    ending = f"_{index}" if index > 0 else ""
-    safe = Path(input_dir) / f"{SAFE_MODEL_NAME}{ending}.safetensors"
-    return safe if safe.exists() else Path(input_dir) / f"{MODEL_NAME}{ending}.bin"
-
-
-def _load_full_model_state(model: nn.Module, path: Path) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    # Every rank read the whole file, so each can take its own shard: no broadcast.
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-
-def _install_get_state_dict(accelerator: Any, model: nn.Module) -> None:
-    """``accelerator.get_state_dict(model)`` (and so ``accelerator.save_model``) of a model
-    prepared here: full CPU tensors on the main process and ``{}`` elsewhere, as
-    Accelerate's FSDP2 path returns (``export.full_state_dict``; tied names hold one
-    tensor), on every device. Accelerate's own code would return the sharded DTensors on
-    a CPU launch, which transformers' ``save_pretrained`` cannot write (an error on uneven
-    shards, a hang on even ones), and on GPUs gather each parameter once more per name
-    lookup. Other models keep Accelerate's method."""
-    ours: list = accelerator.__dict__.setdefault(_EXPORTED_ATTR, [])
-    if not ours:
-        library = accelerator.get_state_dict
-
-        def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict:
-            if any(model is m for m in ours):
-                return full_state_dict(model)
-            return library(model, unwrap=unwrap)
-
-        get_state_dict.__doc__ = library.__doc__
-        accelerator.get_state_dict = get_state_dict
-    ours.append(model)
-
-
-def _reading_shards(accelerator: Any, *names: str) -> None:
-    """Run the accelerator's methods ``names`` with the parameters' gathers off (once)."""
-    for name in names:
-        method = getattr(accelerator, name)
-        if getattr(method, "_reads_shards", False):
-            continue
-
-        @functools.wraps(method)
-        def wrapped(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
-            with gather_disabled():
-                return _method(*args, **kwargs)
-
-        wrapped._reads_shards = True  # type: ignore[attr-defined]
-        setattr(accelerator, name, wrapped)
-
-
-def _install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) -> None:
-    from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.utils import DistributedType
-
-    from .._torch_compat import patch_optimizer_state_dict
-
-    # Both paths below go through torch's state-dict helpers (Accelerate's FSDP2 save/load,
-    # the optimizer's full-state methods), which look each parameter up with getattr: on a
-    # model sharded here that is the gathering property, a full all-gather per lookup (one
-    # save_state of a 2-layer GPT: 57 on a CPU launch, 115 under FSDP2). They read the shards.
-    _reading_shards(accelerator, "save_state", "load_state")
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return  # Accelerate's FSDP2 save/load (torch.distributed.checkpoint) handles DTensor models
-    ours: list = accelerator.__dict__.setdefault(_MODELS_ATTR, [])
-    if not ours:
-
-        def save_hook(models: list, weights: list, output_dir: str) -> None:
-            for i, m in enumerate(models):
-                if any(m is o for o in ours):
-                    # save_state took weights[i] from accelerator.get_state_dict, which for
-                    # these models is export.full_state_dict: full on the main process
-                    weights[i] = _separate_tied(weights[i])
-
-        def load_hook(models: list, input_dir: str) -> None:
-            for i, m in enumerate(models):
-                if any(m is o for o in ours):
-                    _load_full_model_state(m, _weights_file(input_dir, i))
-                    models[i] = _AlreadyLoaded()
-
-        accelerator.register_save_state_pre_hook(save_hook)
-        accelerator.register_load_state_pre_hook(load_hook)
-    ours.append(model)
-    for obj in prepared:
-        if isinstance(obj, (AcceleratedOptimizer, torch.optim.Optimizer)):
-            inner = obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj
-            # torch's own helper: state_dict() gathers the full FQN-keyed state (rank 0),
-            # load_state_dict() takes it and keeps this rank's shard.
-            patch_optimizer_state_dict(model, inner, _full_options())

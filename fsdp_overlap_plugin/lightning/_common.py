@@ -11,6 +11,7 @@ a Lightning base class lives here.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +25,7 @@ from ..parallelize import parallelize, pop_compile_notes, take_over_compiled
 from ..report.messages import install_excepthook
 from ..runtime import devices
 from ..runtime.state import get_state
+from ..shard.atomic_checkpoint import check_complete, retire, written_atomically
 from ..shard.initialize import materialize
 from ..shard.sharding import is_sharded
 
@@ -368,6 +370,21 @@ class StrategyBase:
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or devices.backend_for(self.root_device.type)  # type: ignore[attr-defined]
 
+    def _setup_distributed(self) -> None:
+        """Lightning's (seed, ranks, process group), except that a job torchrun restarted
+        gets its process group on a store namespace of its own (``devices.init_process_group``):
+        with Lightning's, a restarted rank can read a peer's address from the killed attempt
+        and fail with ``Gloo connectFullMesh failed ... Connection refused``. Lightning then
+        finds the group initialised and keeps it."""
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            device = self.root_device  # type: ignore[attr-defined]
+            devices.init_process_group(
+                self._get_process_group_backend(),
+                timeout=self._timeout,  # type: ignore[attr-defined]
+                device_id=device if device.type != "cpu" else None,
+            )
+        super()._setup_distributed()  # type: ignore[misc]
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel rank (also on an HSDP mesh): each reads its own data.
@@ -410,3 +427,33 @@ def no_gathers() -> Iterator[None]:
 
     with gather_disabled():
         yield
+
+
+# What a sharded Lightning checkpoint folder needs besides the shards: DCP's index and
+# rank 0's ``meta.pt`` (loop, callbacks, the rest of the checkpoint dict).
+LIGHTNING_FOLDER = (".metadata", "meta.pt")
+
+
+@contextmanager
+def saved_atomically(path: Any, step: Any = None) -> Iterator[Any]:
+    """Lightning's save of ``path`` (every rank calls it with the same path), written to a
+    hidden sibling and renamed into place once every rank has written
+    (``shard/atomic_checkpoint.py``): the name holds the old complete checkpoint or the
+    new one, never a mix. Yields the path to hand to Lightning's own save."""
+    with written_atomically(path, step=step if isinstance(step, int) else None) as partial:
+        yield partial
+
+
+def check_loadable(path: Any) -> None:
+    """Before Lightning loads ``path``: on every rank, ``IncompleteCheckpointError``
+    naming what is missing and the newest complete checkpoint beside it."""
+    check_complete(path, required=LIGHTNING_FOLDER)
+
+
+def remove_local_checkpoint(path: Any) -> bool:
+    """Remove a local checkpoint so that no half-deleted one stays under its name; False
+    for a remote (fsspec URL) path, which Lightning's checkpoint IO removes."""
+    if "://" in str(path):
+        return False
+    retire(path)
+    return True

@@ -14,7 +14,9 @@ no_backward_sync    on HSDP, the micro-batches inside skip the replica all-reduc
                     and the next backward reduces the sum; the reduce-scatter is in
                     the compiled backward graph and runs on every micro-batch
 checkpoints         sharded by default, full with ``state_dict_type="full"``
-                    (``save_distributed_checkpoint=False``)
+                    (``save_distributed_checkpoint=False``); written beside the name and
+                    renamed into place when every rank has written; an incomplete
+                    folder is refused by name before loading
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
@@ -38,6 +41,7 @@ from ._common import (
     CONFIG_FIELDS,
     StrategyBase,
     build_config,
+    check_loadable,
     config_for_precision,
     distributed_checkpoint,
     log_once,
@@ -45,6 +49,7 @@ from ._common import (
     parallelize_once,
     precision_of,
     report_metrics,
+    saved_atomically,
 )
 from .trainer import _warn_if_npu_unused, align_autocast_device
 
@@ -193,12 +198,17 @@ class FabricStrategyMixin(StrategyBase):
 
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: Any, state: dict, storage_options: Any = None, filter: Any = None) -> None:
-        with no_gathers():
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+        """Fabric's save, written beside ``path`` and renamed into place once every rank
+        has written: a kill mid-save leaves the previous checkpoint of that name, complete."""
+        path = Path(self.broadcast(path))
+        with saved_atomically(path, state.get("step")) as partial, no_gathers():
+            super().save_checkpoint(partial, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        path = Path(self.broadcast(path))
+        check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
 

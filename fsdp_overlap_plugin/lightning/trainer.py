@@ -14,7 +14,10 @@ Lifecycle (each hook does one thing and calls the core):
                         ``self.log`` metrics (``fsdp_overlap/...``)
     checkpoints         sharded (DCP directory) by default, one full file with
                         ``state_dict_type="full"`` (``save_distributed_checkpoint=False``);
-                        parameters are read as shards, never gathered one by one
+                        parameters are read as shards, never gathered one by one; written
+                        beside the name and renamed into place when every rank has written
+                        (an old ``last.ckpt`` is replaced only by a complete one); an
+                        incomplete folder is refused by name before loading
 
 The class is written as a mixin so that the same code serves ``lightning.pytorch`` and
 the standalone ``pytorch_lightning`` package (``standalone.py``).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,13 +49,16 @@ from ._common import (
     CONFIG_FIELDS,
     StrategyBase,
     build_config,
+    check_loadable,
     config_for_precision,
     distributed_checkpoint,
     log_once,
     no_gathers,
     parallelize_once,
     precision_of,
+    remove_local_checkpoint,
     report_metrics,
+    saved_atomically,
     select_target,
 )
 
@@ -259,9 +266,27 @@ class TrainerStrategyMixin(StrategyBase):
         with no_gathers():
             return super().optimizer_state(optimizer)  # type: ignore[misc]
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's save (a DCP folder and ``meta.pt``, or one full file), written beside
+        ``filepath`` and renamed into place once every rank has written: a kill mid-save
+        leaves the previous checkpoint of that name, complete."""
+        path = Path(self.broadcast(filepath))
+        with saved_atomically(path, checkpoint.get("global_step")) as partial:
+            super().save_checkpoint(checkpoint, partial, storage_options=storage_options)  # type: ignore[misc]
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """``ModelCheckpoint`` dropping an old top-k checkpoint: renamed out of sight, then
+        deleted, so a kill never leaves half of it under its name."""
+        if not self.is_global_zero:  # type: ignore[attr-defined]
+            return
+        if not remove_local_checkpoint(filepath):
+            super().remove_checkpoint(filepath)  # type: ignore[misc]
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+            return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
 
 
 def _fn(trainer: Any) -> str | None:

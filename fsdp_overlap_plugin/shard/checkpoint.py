@@ -3,10 +3,14 @@ Lightning and Accelerate use their own checkpointing).
 
 ``save(directory, model, optimizer, step=n)`` writes a ``torch.distributed.checkpoint``
 (each rank its shards) into ``.step_<n>.partial``; only after every rank has finished
-does rank 0 rename it to ``step_<n>`` and point ``latest`` at it (written to a temporary
-file, then ``os.replace``: atomic on POSIX). A crash at any moment leaves either the
-previous checkpoint as ``latest`` or the new one complete; ``load_latest`` never sees a
-partial directory. Stale partial directories are removed by the next save.
+does rank 0 rename it to ``step_<n>`` (``atomic_checkpoint.written_atomically``: a
+``step_<n>`` saved again is swapped for the new one in one step) and point ``latest`` at
+it (written to a temporary file, then ``os.replace``: atomic on POSIX). A crash at any
+moment leaves either the previous checkpoint as ``latest`` or the new one complete;
+``load_latest`` never sees a partial directory, and refuses one that lost a file since
+(``IncompleteCheckpointError``, naming the file and the newest complete checkpoint
+beside it). Leftovers of a killed save are removed by the next save; checkpoints beyond
+``keep`` are renamed out of sight before they are deleted.
 
 The model and optimizer state go through
 ``torch.distributed.checkpoint.state_dict.get_state_dict``, so optimizer state is keyed
@@ -18,14 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["load_latest", "save"]
+from .atomic_checkpoint import METADATA, IncompleteCheckpointError, check_complete, retire, written_atomically
+
+__all__ = ["IncompleteCheckpointError", "load_latest", "save"]
 
 LATEST = "latest"
 
@@ -64,33 +69,27 @@ def save(
 
     directory = Path(directory)
     final = directory / _name(step)
-    partial = directory / f".{_name(step)}.partial"
-    if _rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob(".step_*.partial"):  # left by a crash during an earlier save
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
     model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     state = {"model": model_state, "optim": optim_state, "meta": {"step": step, "extra": json.dumps(extra or {})}}
-    dcp.save(state, checkpoint_id=str(partial))  # ends with every rank's files written
-    _barrier()
+    with written_atomically(final, step=step) as partial:
+        dcp.save(state, checkpoint_id=str(partial))  # ends with every rank's files written
     if _rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
         tmp = directory / f".{LATEST}.tmp"
         tmp.write_text(final.name)
         os.replace(tmp, directory / LATEST)
         checkpoints = sorted(p for p in directory.glob("step_*") if p.is_dir())
         for old in checkpoints[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            retire(old)
     _barrier()
     return final
 
 
 def load_latest(directory: str | Path, model: nn.Module, optimizer: Any = None) -> tuple[int, dict] | None:
     """Load the checkpoint ``latest`` points to into ``model`` (and ``optimizer``), in place.
-    Returns ``(step, extra)``, or None when there is no complete checkpoint yet."""
+    Returns ``(step, extra)``, or None when there is no complete checkpoint yet. A
+    checkpoint that lacks a file (removed since it was written) raises
+    ``IncompleteCheckpointError`` on every rank, naming the file and the newest complete
+    checkpoint beside it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -99,6 +98,7 @@ def load_latest(directory: str | Path, model: nn.Module, optimizer: Any = None) 
     if not pointer.is_file():
         return None
     path = directory / pointer.read_text().strip()
+    check_complete(path, required=(METADATA,))
     model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     state = {"model": model_state, "optim": optim_state, "meta": {"step": 0, "extra": ""}}
     dcp.load(state, checkpoint_id=str(path))

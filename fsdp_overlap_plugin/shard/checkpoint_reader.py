@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..config.schema import OverlapConfigError
+from .atomic_checkpoint import incomplete_message
 from .weights import index_files
 
 __all__ = ["CheckpointReader", "model_names", "open_checkpoint"]
@@ -190,7 +191,10 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         )
     latest = path / "latest"
     if latest.is_file() and (path / latest.read_text().strip()).is_dir():
-        return _DistributedCheckpoint(path / latest.read_text().strip(), "fsdp_overlap_plugin.shard.checkpoint step")
+        step = path / latest.read_text().strip()
+        _refuse_incomplete(step)
+        return _DistributedCheckpoint(step, "fsdp_overlap_plugin.shard.checkpoint step")
+    _refuse_incomplete(path)
     if (path / ".metadata").is_file():
         kind = "Lightning sharded checkpoint" if (path / "meta.pt").is_file() else "distributed checkpoint (DCP)"
         if path.name.startswith("step_"):
@@ -223,6 +227,14 @@ def open_checkpoint(path: str | Path) -> CheckpointReader:
         f"Accelerate's save_state folder ({_ACCELERATE_DCP}/ or one of {', '.join(_ACCELERATE_FILES)}), a "
         "save_pretrained folder, or a torch.save / .safetensors file."
     )
+
+
+def _refuse_incomplete(folder: Path) -> None:
+    """A folder that lacks a file its save wrote (``atomic_checkpoint.missing_files``) is
+    named as such, with the newest complete checkpoint beside it, before DCP fails on it."""
+    message = incomplete_message(folder)
+    if message is not None:
+        raise OverlapConfigError(message)
 
 
 def model_names(
