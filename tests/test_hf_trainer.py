@@ -129,6 +129,24 @@ def test_step_checkpoints_are_sharded_and_resume_bit_for_bit(runs):
     assert_same_tensors(folder_tensors(root / "resumed-export"), folder_tensors(root / "plugin-export"))
 
 
+@pytest.mark.parametrize("lost", ["pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata"])
+def test_resuming_from_a_checkpoint_a_kill_cut_short_stops_naming_the_last_complete_one(runs, tmp_path, lost):
+    """The Trainer writes checkpoint-N in place: killed during the save, the folder lacks what
+    was not written yet (a rank's shard; the index DCP writes last). resume_from_checkpoint=True
+    takes the newest folder whatever it holds; torch's reader then failed deep inside, naming
+    neither the problem nor where to resume from."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["root"] / "plugin", out)
+    (out / f"checkpoint-{STEPS}" / lost).unlink()
+    proc = accelerate_launch(
+        OVERLAP_YAML, *ARGS, "--output-dir", str(out), "--resume", "latest", script=EXAMPLE, timeout=300
+    )
+    text = output(proc)
+    assert proc.returncode != 0 and "fsdp-overlap summary" not in text  # stopped before training
+    assert f"the checkpoint {out / f'checkpoint-{STEPS}'} is incomplete: `{lost}`" in text, text[-4000:]
+    assert f"The newest complete checkpoint beside it: {out / f'checkpoint-{STEPS - SAVE}'}" in text
+
+
 def test_save_model_writes_a_folder_plain_from_pretrained_loads(runs):
     root = runs["root"]
     ours, single = folder_tensors(root / "plugin-export"), folder_tensors(root / "single-export")

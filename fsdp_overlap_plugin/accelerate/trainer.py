@@ -11,6 +11,14 @@ are (``DTensor`` ``Shard(0)`` parameters, FSDP2's layout) except in two places:
   the gathering property, one all-gather of the whole parameter per lookup, several per
   save. The helpers, as ``transformers.trainer`` holds them, run with the gathers off
   (``gather_disabled``): they read the shards, as Accelerate's ``save_state`` does here.
+* its step checkpoints (``checkpoint-N/``) are written in place, and
+  ``resume_from_checkpoint=True`` picks the newest folder whatever it holds: a run killed
+  while writing one leaves a DCP folder without its ``.metadata`` or a rank's shard (the
+  load then fails deep in torch's reader) or, killed later, no ``trainer_state.json``
+  (transformers stops with ``FileNotFoundError`` before anything is loaded). Before the
+  ``Trainer`` loads a plugin model from a folder, the folder is checked: an incomplete one
+  is an ``IncompleteCheckpointError`` on every rank naming what it lacks and the newest
+  complete checkpoint beside it (``shard/atomic_checkpoint.py``).
 * ``Trainer.save_model(out)`` writes the model only when the FSDP state-dict type is
   ``FULL_STATE_DICT``; with ``SHARDED_STATE_DICT`` (``configs/overlap.yaml``) it writes
   nothing, without a word (transformers' FSDP recipe is to call
@@ -30,6 +38,7 @@ import functools
 import sys
 from typing import Any
 
+from ..shard.atomic_checkpoint import check_complete
 from ..shard.sharding import gather_disabled
 from .adopt import is_plugin_model
 
@@ -38,6 +47,8 @@ __all__ = ["install"]
 _WRAPPED = "_fsdp_overlap_wrapped"
 _STATE_DICT_ATTRS = ("state_dict_type", "state_dict_config", "optim_state_dict_config")
 _CHECKPOINT_HELPERS = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
+#: What the Trainer writes last into a step checkpoint (rank 0, after every rank's files).
+TRAINER_STATE = "trainer_state.json"
 
 
 def install() -> None:
@@ -57,14 +68,18 @@ def install() -> None:
 
 def _reading_shards(helper: Any) -> Any:
     """``helper(fsdp_plugin, accelerator, [optimizer,] model, ...)`` with the gathers off
-    when ``model`` is the plugin's."""
+    when ``model`` is the plugin's; before ``load_fsdp_model``, the folder checked."""
+
+    loads_model = helper.__name__ == "load_fsdp_model"  # (fsdp_plugin, accelerator, model, input_dir, ...)
 
     @functools.wraps(helper)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if any(is_plugin_model(a) for a in (*args, *kwargs.values())):
-            with gather_disabled():
-                return helper(*args, **kwargs)
-        return helper(*args, **kwargs)
+        if not any(is_plugin_model(a) for a in (*args, *kwargs.values())):
+            return helper(*args, **kwargs)
+        if loads_model:  # the first thing a resume loads: a checkpoint-N folder
+            check_complete(kwargs["input_dir"] if "input_dir" in kwargs else args[3], required=(TRAINER_STATE,))
+        with gather_disabled():
+            return helper(*args, **kwargs)
 
     setattr(wrapped, _WRAPPED, True)
     return wrapped
