@@ -172,3 +172,20 @@ def test_bad_yaml_fails_on_every_rank_before_training(tmp_path, change, message)
     assert "printed above by rank 0" in text and "the same as rank 0's, printed above" in text, text[-4000:]
     assert str(bad) in text
     assert not rank_lines(text) and "step 0" not in text  # nothing was sharded or trained
+
+
+@pytest.mark.slow
+def test_a_rank_killed_under_max_restarts_comes_back_and_trains(tmp_path):
+    """accelerate launch --max_restarts 1, rank 1 SIGKILLed in the first attempt. Before: the
+    restarted ranks read the killed attempt's addresses from the launcher's store (`Gloo
+    connectFullMesh failed ... Connection refused`, or a hang at 1% CPU). Now the adapter gives
+    a restarted attempt's process group a store namespace of its own, and it trains."""
+    config = copy_yaml(tmp_path / "overlap.yaml", fsdp_overlap_backend="aot_eager")
+    script = ROOT / "tests" / "fixtures" / "accelerate_restart.py"
+    proc = accelerate_launch(config, script=script, launcher_args=("--max_restarts", "1"), timeout=300)
+    text = output(proc)
+    assert proc.returncode == 0, text[-6000:]
+    assert "fsdp-overlap: restarted attempt 1: its process group uses a store namespace of its own" in text
+    losses = re.findall(r"attempt 1 rank (\d): trained a step, loss (\S+)", text)
+    assert sorted(r for r, _ in losses) == ["0", "1"] and "attempt 0 rank 0: trained" not in text
+    assert "Connection refused" not in text.split("restarted attempt 1", 1)[1]

@@ -17,11 +17,19 @@ also lets an FSDP launch on a CPU-only machine start real gloo ranks
 
 from __future__ import annotations
 
-from .adapter import Resolved, config_source, load_config, prepare, use_gloo_on_cpu_only_launch
+from .adapter import (
+    Resolved,
+    config_source,
+    load_config,
+    own_store_for_restarted_attempt,
+    prepare,
+    use_gloo_on_cpu_only_launch,
+)
 from .adopt import install, is_adopted
 from .config import ENV_VAR, PREFIX, ConfigSource, find_config_file, plugin_keys
 
 use_gloo_on_cpu_only_launch()
+own_store_for_restarted_attempt()  # accelerate launch --max_restarts on CPUs
 install()  # Accelerators of an FSDP launch prepare models through the plugin (adopt.py)
 
 __all__ = [

@@ -43,6 +43,7 @@ __all__ = [
     "configure",
     "load_config",
     "prepare",
+    "own_store_for_restarted_attempt",
     "prepare_objects",
     "use_gloo_on_cpu_only_launch",
 ]
@@ -79,6 +80,34 @@ def use_gloo_on_cpu_only_launch() -> bool:
         int(env.get("RANK", "0")),
         "fsdp-overlap: set ACCELERATE_USE_CPU=true: this FSDP launch has no GPU or NPU, and without it Accelerate "
         "would run each launched process alone (set ACCELERATE_USE_CPU yourself to decide otherwise)",
+    )
+    return True
+
+
+def own_store_for_restarted_attempt() -> bool:
+    """Give a restarted worker of an FSDP launch on a CPU-only machine (``accelerate launch
+    --max_restarts N``) a default process group on a store namespace of its own, before
+    Accelerate creates one. Returns True if it did.
+
+    The workers of every attempt share the launcher's store, and the default group's keys
+    carry no attempt number: a restarted rank read a peer's address from the killed
+    attempt and stopped with ``Gloo connectFullMesh failed ... Connection refused`` (1 of 1
+    restarts here; a hang in another run). ``devices.init_process_group`` prefixes the
+    store with the restart count, as it does for the Lightning strategies and
+    ``fsdp_overlap_plugin.init_process_group``; Accelerate then finds the group
+    initialised and uses it. Called when ``fsdp_overlap_plugin.accelerate`` is imported;
+    the first attempt is left to Accelerate, and so are GPU and NPU launches (not tried)."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_FSDP", "").lower() != "true" or "LOCAL_RANK" not in env:
+        return False
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or dist.is_initialized() or devices.detect_device_type() != "cpu":
+        return False
+    devices.init_process_group("gloo")
+    say(
+        dist.get_rank(),
+        f"fsdp-overlap: restarted attempt {attempt}: its process group uses a store namespace of its own (the "
+        "launcher's store still holds the killed attempt's addresses)",
     )
     return True
 
