@@ -30,6 +30,10 @@ import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.models import loss_fn
 from fsdp_overlap_plugin.shard.takeover import ChangedAfterPrepareError, CompiledModelError
 
+# Dynamo's wrappers and in-place compiles are taken apart here: the quick tests also run on
+# every torch of the CI matrix
+pytestmark = pytest.mark.torch_sensitive
+
 AOT = {"backend": "aot_eager"}
 TAKEN_OVER = "fsdp-overlap: the model was already compiled ("
 PLUGIN_COMPILES = (
