@@ -477,3 +477,45 @@ def _npu_launch_keeps_npu() -> tuple:
 
 def test_npu_launch_is_left_to_hccl():
     assert run_isolated(_npu_launch_keeps_npu) == (False, None)
+
+
+# ----------------------------------------------------- adoption of Accelerate's accelerators
+def test_the_adapter_wraps_accelerators_methods_once_keeping_their_signatures():
+    import inspect
+
+    import accelerate
+
+    from fsdp_overlap_plugin.accelerate import adopt
+
+    wrapped = {name: getattr(accelerate.Accelerator, name) for name in adopt._ORIGINALS}
+    assert sorted(wrapped) == ["__init__", "clip_grad_norm_", "prepare", "prepare_model"]
+    adopt.install()  # a second import, say: nothing wrapped twice
+    for name, method in wrapped.items():
+        assert getattr(accelerate.Accelerator, name) is method
+        assert method.__wrapped__ is adopt._ORIGINALS[name]  # help() and inspect see Accelerate's
+        assert inspect.signature(method) == inspect.signature(adopt._ORIGINALS[name])
+
+
+def test_an_fsdp1_plugin_is_refused_naming_fsdp_version():
+    from fsdp_overlap_plugin.accelerate import adopt
+
+    with pytest.raises(OverlapConfigError, match=r"^fsdp_version: 1: fsdp-overlap keeps FSDP2's parameter layout"):
+        adopt._check_version(types.SimpleNamespace(fsdp_version=1))
+
+
+def _accelerator_outside_an_fsdp_launch():
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
+    from accelerate import Accelerator
+
+    import fsdp_overlap_plugin.accelerate  # noqa: F401
+    from fsdp_overlap_plugin.accelerate import is_adopted
+
+    accelerator = Accelerator(cpu=True)
+    model = gpt_small(n_layer=1, d_model=16, block_size=8)
+    prepared = accelerator.prepare(model)  # Accelerate's own: one process, nothing to wrap
+    return is_adopted(accelerator), accelerator.distributed_type.value, prepared is model
+
+
+def test_an_accelerator_outside_an_fsdp_launch_is_left_to_accelerate():
+    adopted, kind, same = run_isolated(_accelerator_outside_an_fsdp_launch)
+    assert (adopted, kind, same) == (False, "NO", True)
