@@ -279,6 +279,7 @@ def _close(run: dict, reference: tuple, tol: float, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.newest_torch  # CI runs it on 2.15, the newest torch of .ci/run
 def test_gpt_checkpointed_trains_like_one_process(trained):
     gpt = trained["gpt"]
     off = gpt["aot_eager off"]
@@ -292,6 +293,7 @@ def test_gpt_checkpointed_trains_like_one_process(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.newest_torch  # CI runs it on 2.15, the newest torch of .ci/run
 def test_gpt_checkpointed_saves_less_and_regathers_once_per_block(trained):
     gpt = trained["gpt"]
     off, full, selective = (_activations(gpt[f"aot_eager {k}"]) for k in ("off", "full", "matmuls_saved"))
@@ -314,6 +316,7 @@ def test_gpt_checkpointed_saves_less_and_regathers_once_per_block(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.newest_torch  # CI runs it on 2.15, the newest torch of .ci/run
 def test_bf16_checkpointed_equals_bf16_without(trained):
     gpt = trained["gpt"]
     _bitwise(gpt["bf16 full"], gpt["bf16 off"], "bf16")
@@ -322,6 +325,7 @@ def test_bf16_checkpointed_equals_bf16_without(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.newest_torch  # CI runs it on 2.15, the newest torch of .ci/run
 def test_transformers_families_checkpointed_train_like_one_process(trained):
     hf = trained["hf"]
     for family in ("llama", "mixtral"):

@@ -360,6 +360,7 @@ def _close(run: dict, reference: tuple, what: str, tol: float = 1e-5) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.newest_torch  # CI runs it on 2.15, the newest torch of .ci/run
 def test_two_ranks_train_like_one_process():
     """parallelize(torch.compile(model)), and gradient_checkpointing_enable() after prepare,
     on 2 gloo ranks: the losses and weights of one unsharded process (1e-5); late

@@ -29,7 +29,8 @@ import torch
 from _accelerate import OVERLAP_YAML, ROOT, accelerate_launch, copy_yaml, launch_env, output
 from test_export import assert_same_tensors, folder_tensors, load_without_plugin
 
-pytestmark = pytest.mark.slow
+# CI runs it on torch 2.11 (.ci/test-torch), the torch of the GPU machines a Trainer user would bring
+pytestmark = [pytest.mark.slow, pytest.mark.oldest_torch]
 
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 PLAIN = ROOT / "tests" / "fixtures" / "hf_trainer_plain.py"
