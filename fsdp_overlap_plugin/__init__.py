@@ -9,6 +9,7 @@ from .config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from .parallelize import parallelize
 from .report.schedule import format_report, schedule_report
 from .runtime.devices import init_process_group
+from .shard.atomic_checkpoint import IncompleteCheckpointError
 from .shard.export import full_state_dict, save_pretrained
 from .shard.initialize import UninitializedWarning, materialize
 from .shard.sharding import gather_disabled
@@ -23,6 +24,7 @@ from .lightning.register import register as _register_lightning  # noqa: E402
 _register_lightning()
 
 __all__ = [
+    "IncompleteCheckpointError",
     "MeshConfig",
     "OverlapConfig",
     "OverlapConfigError",
