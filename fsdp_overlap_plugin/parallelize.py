@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -11,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config.schema import OverlapConfig, OverlapConfigError
 from .contract import BucketIndex
-from .report.messages import install_excepthook, say
+from .report.messages import install_excepthook, process_rank, say
 from .runtime import accumulation, devices
 from .runtime.exchange import build_receive_first_group, exchanges_run
 from .runtime.state import _STATE_ATTR, OverlapState, local_layout, model_fingerprint
@@ -64,8 +63,7 @@ def take_over_compiled(model: nn.Module) -> nn.Module:
     returned model all see the module the plugin compiles."""
     module, notes = uncompiled(model)
     if notes:
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        say(rank, compile_notes_line(notes))
+        say(process_rank(), compile_notes_line(notes))
         pending = getattr(model, _COMPILE_NOTES_ATTR, None) or []
         setattr(module, _COMPILE_NOTES_ATTR, pending + notes)
     return module

@@ -27,15 +27,16 @@ import torch.nn as nn
 from .._accelerate_compat import mark_prepared, prepared_models, prepared_objects
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..parallelize import parallelize, take_over_compiled
-from ..report.messages import install_excepthook, say
+from ..report.messages import install_excepthook, process_rank, say
 from ..report.schedule import format_report, schedule_report
 from ..runtime import devices
 from ..runtime.state import get_state
 from ..shard.initialize import materialize
 from ..shard.preflight import preflight
-from ..shard.sharding import build_mesh, is_sharded
+from ..shard.sharding import build_mesh
+from .adopt import is_plugin_model
 from .checkpointing import install_checkpointing, install_get_state_dict
-from .config import ConfigSource, Resolved, load_config
+from .config import ConfigSource, Resolved, fsdp_launch, load_config
 
 __all__ = [
     "Resolved",
@@ -54,6 +55,11 @@ _SOURCE_ATTR = "_fsdp_overlap_config_source"
 
 
 # --------------------------------------------------------------------- CPU launches
+def _launched_fsdp_worker(env: Mapping[str, str]) -> bool:
+    """A worker process (``LOCAL_RANK`` set) that a launcher started for an FSDP config."""
+    return fsdp_launch(env) and "LOCAL_RANK" in env
+
+
 def use_gloo_on_cpu_only_launch() -> bool:
     """Let ``accelerate launch`` with an FSDP config start real gloo ranks on a CPU-only
     machine. Returns True if it changed anything.
@@ -69,7 +75,7 @@ def use_gloo_on_cpu_only_launch() -> bool:
     explicit ``ACCELERATE_USE_CPU`` in the environment is left as it is.
     """
     env = os.environ
-    if env.get("ACCELERATE_USE_FSDP", "").lower() != "true" or "LOCAL_RANK" not in env:
+    if not _launched_fsdp_worker(env):
         return False
     if "ACCELERATE_USE_CPU" in env:
         return False
@@ -77,7 +83,7 @@ def use_gloo_on_cpu_only_launch() -> bool:
         return False
     env["ACCELERATE_USE_CPU"] = "true"
     say(
-        int(env.get("RANK", "0")),
+        process_rank(),
         "fsdp-overlap: set ACCELERATE_USE_CPU=true: this FSDP launch has no GPU or NPU, and without it Accelerate "
         "would run each launched process alone (set ACCELERATE_USE_CPU yourself to decide otherwise)",
     )
@@ -98,7 +104,7 @@ def own_store_for_restarted_attempt() -> bool:
     initialised and uses it. Called when ``fsdp_overlap_plugin.accelerate`` is imported;
     the first attempt is left to Accelerate, and so are GPU and NPU launches (not tried)."""
     env = os.environ
-    if env.get("ACCELERATE_USE_FSDP", "").lower() != "true" or "LOCAL_RANK" not in env:
+    if not _launched_fsdp_worker(env):
         return False
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt in ("", "0") or dist.is_initialized() or devices.detect_device_type() != "cpu":
@@ -166,7 +172,7 @@ def prepare(
             "prepare further models with further calls."
         )
     model = models[0]
-    if is_sharded(model) or get_state(model) is not None:
+    if is_plugin_model(model):
         raise ValueError("fsdp_overlap_plugin.accelerate.prepare: this model is already prepared.")
     check_accelerator(accelerator)
 

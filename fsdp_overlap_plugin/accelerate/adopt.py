@@ -39,7 +39,6 @@ same config already has.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch.nn as nn
@@ -49,6 +48,7 @@ from ..config.schema import OverlapConfigError
 from ..report.messages import say
 from ..runtime.state import get_state
 from ..shard.sharding import is_sharded
+from .config import fsdp_launch
 
 __all__ = ["ADOPTED_ATTR", "install", "is_adopted", "is_plugin_model"]
 
@@ -91,7 +91,7 @@ class Accelerator:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _ORIGINALS["__init__"](self, *args, **kwargs)
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        if fsdp_launch():
             _adopt(self)
 
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:

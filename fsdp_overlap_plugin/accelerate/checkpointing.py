@@ -90,6 +90,13 @@ def _load_full_model_state(model: nn.Module, path: Path) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
+def _add_once(models: list, model: nn.Module) -> None:
+    """``models.append(model)`` unless it is there already: ``prepare_objects`` installs
+    again for an optimizer prepared after the model."""
+    if not any(m is model for m in models):
+        models.append(model)
+
+
 def install_get_state_dict(accelerator: Any, model: nn.Module) -> None:
     """``accelerator.get_state_dict(model)`` (and so ``accelerator.save_model``) of a model
     prepared here: full CPU tensors on the main process and ``{}`` elsewhere, as
@@ -109,8 +116,7 @@ def install_get_state_dict(accelerator: Any, model: nn.Module) -> None:
 
         get_state_dict.__doc__ = library.__doc__
         accelerator.get_state_dict = get_state_dict
-    if not any(m is model for m in ours):  # prepare_objects calls it again for a later optimizer
-        ours.append(model)
+    _add_once(ours, model)
 
 
 def _reading_shards(accelerator: Any, *names: str) -> None:
@@ -161,8 +167,7 @@ def install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) ->
 
         accelerator.register_save_state_pre_hook(save_hook)
         accelerator.register_load_state_pre_hook(load_hook)
-    if not any(m is model for m in ours):  # prepare_objects calls it again for a later optimizer
-        ours.append(model)
+    _add_once(ours, model)
     for obj in prepared:
         if isinstance(obj, (AcceleratedOptimizer, torch.optim.Optimizer)):
             inner = obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj

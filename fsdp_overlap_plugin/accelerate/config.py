@@ -59,6 +59,7 @@ __all__ = [
     "build_config",
     "field_for",
     "find_config_file",
+    "fsdp_launch",
     "key_for",
     "launch_args",
     "launcher_config_file",
@@ -74,6 +75,14 @@ ENV_VAR = "FSDP_OVERLAP_CONFIG"
 # How many ancestors to look through for the `accelerate launch` process (the workers are
 # its direct children; a wrapper such as `bash -c` or `srun` adds a level or two).
 _MAX_ANCESTORS = 6
+
+
+def fsdp_launch(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs in an FSDP launch: ``ACCELERATE_USE_FSDP=true`` (default
+    ``os.environ``), what ``accelerate launch`` exports for ``distributed_type: FSDP`` and
+    what ``Accelerator(fsdp_plugin=...)`` sets."""
+    env = os.environ if environ is None else environ
+    return env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
 
 
 def key_for(name: str) -> str:
@@ -560,7 +569,7 @@ def accelerate_settings(
     the launcher exports."""
     s = AccelerateSettings()
     env = os.environ if environ is None else environ
-    fsdp_env = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    fsdp_env = fsdp_launch(env)
     state = getattr(accelerator, "state", None) if accelerator is not None else None
     fsdp_plugin = getattr(state, "fsdp_plugin", None) if state is not None and hasattr(state, "fsdp_plugin") else None
     yaml_values = file.accelerate if file is not None else {}

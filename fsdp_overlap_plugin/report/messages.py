@@ -54,6 +54,7 @@ __all__ = [
     "CompileProgress",
     "install_excepthook",
     "is_config_error",
+    "process_rank",
 ]
 
 CONFIG_ERROR_EXIT = 2  # the fsdp-overlap command's exit code for a bad config
@@ -224,6 +225,12 @@ def _rank_world() -> tuple[int, int]:
         return int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
     except (KeyError, ValueError):
         return 0, 1
+
+
+def process_rank() -> int:
+    """This process's rank (``_rank_world``): for a line said before, or without, a
+    process group."""
+    return _rank_world()[0]
 
 
 def _store(world: int) -> Any:
