@@ -18,7 +18,7 @@ from .shard import hf
 from .shard.activation_checkpointing import apply_activation_checkpointing
 from .shard.export import install_save_pretrained
 from .shard.preflight import preflight
-from .shard.sharding import build_gather_group, build_mesh, fully_shard_plan, shard_parameters
+from .shard.sharding import build_gather_group, build_mesh, fully_shard_plan, model_gather, shard_parameters
 from .shard.takeover import AfterPrepare, compile_notes_line, uncompiled
 
 __all__ = ["parallelize", "pop_compile_notes", "take_over_compiled", "unbucketed_parameters"]
@@ -163,7 +163,7 @@ def parallelize(
         from .compile.compiler import compile_model
 
         compile_model(model, state)
-        gather = next(m._fsdp_overlap_gather for m in model.modules() if hasattr(m, "_fsdp_overlap_gather"))
+        gather = model_gather(model)
         gather.compiled = True
         state.replica_sync = accumulation.install(model, gather, mesh)
         from_config = [fqn for fqn in checkpointed if fqn not in hf_layers]

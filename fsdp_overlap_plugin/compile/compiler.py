@@ -23,7 +23,7 @@ from .. import _torch_compat as compat
 from ..config.schema import OverlapConfigError
 from ..report.messages import CompileProgress, say
 from ..runtime.state import OverlapState
-from ..shard.sharding import plugin_call
+from ..shard.sharding import model_gather, plugin_call
 from ..shard.takeover import PLUGIN_CALL_ATTR, ChangedAfterPrepareError
 from .backends import overlap_backend
 from .diagnostics import (
@@ -105,9 +105,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState, progress: Compile
             if fallback is not None:
                 state.fallback = str(fallback)
                 model._compiled_call_impl = None  # from now on nn.Module runs the eager forward
-                for module in model.modules():  # its gathers now run eagerly by design
-                    if hasattr(module, "_fsdp_overlap_gather"):
-                        module._fsdp_overlap_gather.compiled = False
+                model_gather(model).compiled = False  # its gathers now run eagerly by design
                 progress.call_finished(fallback=True)
                 warnings.warn(
                     f"fsdp-overlap: compilation failed ({state.fallback[:_WARNING_CHARS]}); on_compile_error: eager, so "

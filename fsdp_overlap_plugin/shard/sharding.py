@@ -46,6 +46,7 @@ __all__ = [
     "fully_shard_plan",
     "gather_disabled",
     "is_sharded",
+    "model_gather",
     "plugin_call",
     "shard_parameters",
     "SHARD_DIM_NAME",
@@ -172,13 +173,14 @@ class _Gather:
     def __call__(self, param: torch.Tensor, fqn: str | None = None) -> torch.Tensor:
         if not _GATHER_ENABLED or not isinstance(param, DTensor):
             return param
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling:
             if not _PLUGIN_CALL:
                 _compiled_elsewhere()
         elif self.compiled and not _PLUGIN_CALL and not self.warned:
             self.warned = True
             warnings.warn(_BYPASS.format(fqn=fqn), stacklevel=3)
-        if fqn is not None and _annotate is not None and torch.compiler.is_compiling():
+        if compiling and fqn is not None and _annotate is not None:
             # every node this gather traces (the cast, the all-gather and its wait, and
             # through autograd the gradient's reduce-scatter) carries the parameter's FQN,
             # so the passes attribute it exactly, whatever Dynamo calls the module
@@ -244,6 +246,12 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 def is_sharded(model: nn.Module) -> bool:
     """True if ``parallelize`` (compile path) already sharded this module tree."""
     return any(type(m).__name__.startswith(_CLASS_PREFIX) for m in model.modules())
+
+
+def model_gather(model: nn.Module) -> _Gather:
+    """The one gather ``shard_parameters`` installed on every module of ``model`` that
+    holds parameters (its flags are the model's: ``compiled``, ``all_reduce``)."""
+    return next(m._fsdp_overlap_gather for m in model.modules() if hasattr(m, "_fsdp_overlap_gather"))
 
 
 def _placements(mesh: DeviceMesh, param: torch.Tensor) -> tuple:
