@@ -64,7 +64,7 @@ USER_DOCS = [
     "docs/torch-versions.md",
     "docs/tuning.md",
 ]
-PROGRAMS = ("make", "python", "torchrun", "accelerate", "fsdp-overlap")
+PROGRAMS = ("make", "python", "torchrun", "accelerate", "fsdp-overlap", "source")
 FIXTURE_REPORT = ROOT / "tests" / "fixtures" / "cli" / "report.json"
 
 
@@ -262,6 +262,9 @@ COMMANDS: dict[str, Here | Real] = {
         tokens=("gpt_demo", "--nproc-per-node"),
         why="a make target: the test reads the recipe (torchrun ... examples/gpt_demo.py) and runs it",
     ),
+    "source .venv/bin/activate": Here(
+        "the venv the Makefile makes; tests/test_readme_shell.py types every other command after it, in a new shell"
+    ),
     "make test": Here("runs pytest: this file is part of what it runs"),
     "make test-quick": Here("runs pytest -m 'not slow'"),
     "python examples/lightning_gpt.py": Real(
@@ -434,6 +437,13 @@ def check_make(argv: list[str]) -> None:
         assert any("-m pytest" in line for line in recipe), recipe
 
 
+def check_activate(argv: list[str]) -> None:
+    """``source .venv/bin/activate``: the Makefile's venv, and a venv's activation script."""
+    assert re.search(r"^VENV +:= +\.venv$", (ROOT / "Makefile").read_text(), flags=re.M), "the Makefile's venv moved"
+    assert argv == ["source", ".venv/bin/activate"], argv
+    assert sys.prefix != sys.base_prefix and (Path(sys.prefix) / "bin" / "activate").is_file(), sys.prefix
+
+
 def check_lightning_gpt(args: list[str], monkeypatch) -> None:
     """``python examples/lightning_gpt.py ARGS``: the script's ``main`` with ``Trainer.fit``
     recorded instead of run (it would start a second rank)."""
@@ -501,6 +511,8 @@ def test_readme_command_works(command, sandbox, capsys, monkeypatch):
     program = argv[0]
     if program == "make":
         check_make(argv)
+    elif program == "source":
+        check_activate(argv)
     elif program == "torchrun":
         check_torchrun(argv)
     elif program == "accelerate":
