@@ -1,7 +1,8 @@
 """A Hugging Face ``transformers`` causal LM (Llama-style, ``LlamaForCausalLM``) trained with
 ``Trainer(strategy="fsdp_overlap", precision="bf16-mixed")``: sharded FSDP2-style,
-compiled with the overlap passes, on 2 CPU ranks (gloo) by default. Rank 0 prints the
-schedule summary at the end.
+compiled with the overlap passes, on 2 CPU ranks (gloo) by default. The strategy prints the
+schedule summary after the first step (as in examples/lightning_gpt.py); rank 0 prints the
+losses at the end.
 
     python examples/hf_lightning.py                                        # 2 CPU ranks (Lightning starts the second)
     python examples/hf_lightning.py --accelerator gpu --devices 1          # one GPU (nccl)
@@ -167,11 +168,11 @@ def main() -> None:
     trainer.fit(module, loader)
 
     if trainer.is_global_zero:
-        report = trainer.strategy.schedule_report  # taken after the first optimizer step
+        # the schedule summary was printed by the strategy after the first optimizer step
+        report = trainer.strategy.schedule_report
         losses = [sum(step) / len(step) for step in zip(*module.all_losses)]  # mean over ranks
         print()
         print(f"{type(module.model).__name__}: losses {', '.join(f'{x:.4f}' for x in losses)}")
-        print(fo.format_report(report))
         if args.export:
             print(f"saved the trained model to {args.export}: from_pretrained({args.export!r}) loads it")
         if args.metrics:

@@ -8,11 +8,13 @@ tests/_hf.py (Qwen2, GPT-2, Mixtral, GPT-NeoX) with the auto plan.
 
 One ``run_ranks`` job runs every scenario; ``backend="aot_eager"`` (inductor takes about
 2.5 minutes to compile this model twice on this 2-core machine; passes run either way).
+Apart from it, the example itself runs once on 1 rank, for what it prints.
 """
 
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ import _hf
 import pytest
 import torch
 import torch._dynamo
+from _accelerate import launch_env, output
 from _dist import run_ranks
 from _lightning import rank_batches, trainer
 from torch.utils.data import DataLoader, TensorDataset
@@ -199,3 +202,24 @@ def test_other_families_through_the_trainer_equal_the_core_and_are_bucketed(resu
     assert report["backward"]["after"]["reduce_scatter"] == backward == len(report["plan"])
     assert report["forward"]["before"]["all_gather"] > 3 * forward
     assert report["forward"]["left_unbucketed"] == [] and report["backward"]["left_unbucketed"] == []
+
+
+def test_the_example_prints_the_schedule_summary_once(tmp_path):
+    """examples/hf_lightning.py as a user runs it (1 CPU rank here): the strategy prints
+    the summary after the first step and the example only adds the losses, as
+    examples/lightning_gpt.py does (it printed the summary a second time at the end)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_lightning.py")]
+        + ["--accelerator", "cpu", "--devices", "1", "--steps", "2", "--backend", "aot_eager"],
+        cwd=tmp_path,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    text = output(proc)
+    assert proc.returncode == 0, text[-4000:]
+    assert text.count("fsdp-overlap summary: ") == 1, text[-4000:]
+    assert text.count("fsdp-overlap schedule: ") == 1, text[-4000:]
+    assert "LlamaForCausalLM: losses " in text

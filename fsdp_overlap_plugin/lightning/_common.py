@@ -10,16 +10,18 @@ a Lightning base class lives here.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 
-from ..config.keys import suggest
+from ..config.keys import suggest, unknown_key_message
 from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from ..parallelize import parallelize, pop_compile_notes, take_over_compiled
 from ..report.messages import install_excepthook
@@ -36,6 +38,7 @@ __all__ = [
     "SHARDING_STRATEGIES",
     "build_config",
     "check_mesh_arguments",
+    "checked_arguments",
     "config_for_precision",
     "distributed_checkpoint",
     "log_once",
@@ -79,20 +82,51 @@ def precision_of(plugin: Any) -> str:
     return str(getattr(plugin, "precision", "32-true"))
 
 
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def checked_arguments(init: _Init) -> _Init:
+    """Wrap a strategy's ``__init__`` so that a keyword it does not take is an
+    ``OverlapConfigError`` naming the class the user wrote, the keyword, the nearest valid
+    one and where the list is, instead of Python's ``TypeError`` naming our mixin. Raised
+    before any process group, it is printed once under torchrun (``messages``).
+
+    ``functools.wraps`` keeps the signature (``inspect.signature`` follows ``__wrapped__``),
+    which is what LightningCLI/jsonargparse, Lightning's registry and type checkers read."""
+    parameters = inspect.signature(init).parameters
+    valid = [n for n, p in parameters.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    own = [n for n in valid if n not in CONFIG_FIELDS]
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in valid]
+        if unknown:
+            install_excepthook()  # uncaught, it is printed once and short
+            raise OverlapConfigError(
+                unknown_key_message(
+                    unknown[0],
+                    valid,
+                    source=type(self).__name__,
+                    what="argument",
+                    tail=f"Its arguments are the config keys of docs/config.md and {', '.join(own)}.",
+                )
+            )
+        init(self, *args, **kwargs)
+
+    if hasattr(checked.__code__, "co_qualname"):  # Python 3.11+
+        # what a configuration error raised in the constructor says it was raised in
+        checked.__code__ = checked.__code__.replace(co_qualname=init.__qualname__)
+    return checked  # type: ignore[return-value]
+
+
 def build_config(config: OverlapConfig | dict | str | None, overrides: dict[str, Any]) -> OverlapConfig:
     """The user's config: a file/dict/object plus keyword arguments that are not None.
 
-    Validated here, at construction, so a wrong key fails before any process starts
-    (and, uncaught, is printed once and short: ``messages.install_excepthook``).
+    Validated here, at construction, so a wrong value fails before any process starts
+    (and, uncaught, is printed once and short: ``messages.install_excepthook``). A wrong
+    keyword never gets here: ``checked_arguments`` refuses it.
     """
     install_excepthook()
-    unknown = [k for k in overrides if k not in CONFIG_FIELDS]
-    if unknown:
-        key = unknown[0]
-        raise OverlapConfigError(
-            f"fsdp_overlap strategy: unknown argument {key!r}.{suggest(key, CONFIG_FIELDS)} "
-            f"Config keys: {', '.join(CONFIG_FIELDS)}."
-        )
     try:
         base = OverlapConfig.coerce(config)
     except OverlapConfigError as exc:

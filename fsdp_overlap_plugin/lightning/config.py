@@ -42,7 +42,7 @@ from typing import Any
 from .._lightning_compat import accelerator_connector, unified_precision
 from ..config.keys import check_keys, suggest, unknown_key_message
 from ..config.schema import OverlapConfig, OverlapConfigError, respell
-from ._common import config_for_precision, precision_of
+from ._common import CONFIG_FIELDS, config_for_precision, precision_of
 from .trainer import FSDPOverlapStrategy
 
 __all__ = ["CLI_KEYS", "SUBCOMMANDS", "LightningYaml", "is_lightning_yaml", "read_lightning_yaml"]
@@ -212,13 +212,14 @@ def read_lightning_yaml(data: dict, source: str) -> LightningYaml:
         _check_keys(strategy, ["class_path", "init_args", "dict_kwargs"], where, source)
         raw_init = strategy.get("init_args") or {}
         if isinstance(raw_init, dict):
+            allowed = _parameters(cls.__init__)
+            own = [name for name in allowed if name not in CONFIG_FIELDS]
             _check_keys(
                 raw_init,
-                _parameters(cls.__init__),
+                allowed,
                 init_where,
                 source,
-                " (fsdp-overlap's keys are docs/config.md's, plus module, save_distributed_checkpoint, state_dict_type, "
-                "process_group_backend and timeout.)",
+                f" (fsdp-overlap's keys are docs/config.md's, plus {', '.join(own[:-1])} and {own[-1]}.)",
             )
     _check_keys(trainer, _parameters(_trainer_init()), f"{prefix}trainer", source)
     parser = _LightningParser(source, prefix)

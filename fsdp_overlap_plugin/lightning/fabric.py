@@ -42,6 +42,7 @@ from ._common import (
     StrategyBase,
     build_config,
     check_loadable,
+    checked_arguments,
     config_for_precision,
     distributed_checkpoint,
     log_once,
@@ -86,6 +87,7 @@ class FabricStrategyMixin(StrategyBase):
 
     _lightning_package = "lightning.fabric"
 
+    @checked_arguments
     def __init__(
         self,
         config: OverlapConfig | dict | str | None = None,

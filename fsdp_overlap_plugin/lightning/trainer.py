@@ -50,6 +50,7 @@ from ._common import (
     StrategyBase,
     build_config,
     check_loadable,
+    checked_arguments,
     config_for_precision,
     distributed_checkpoint,
     log_once,
@@ -111,6 +112,7 @@ class TrainerStrategyMixin(StrategyBase):
 
     _lightning_package = "lightning.pytorch"
 
+    @checked_arguments
     def __init__(
         self,
         config: OverlapConfig | dict | str | None = None,
