@@ -26,6 +26,7 @@ from .analysis import _add_bytes, _memory, bucket_rows, kept_for_backward, param
 
 __all__ = [
     "ADAMW_BYTES_PER_PARAM",
+    "DEFAULT_SEQ",
     "DEPTHS",
     "GROUPINGS",
     "TIE",
@@ -39,6 +40,10 @@ __all__ = [
 #: reads the parameter, its gradient and both moments (16), writes the parameter and both
 #: moments (12). The step is memory-bound, so it takes these bytes at the memory rate.
 ADAMW_BYTES_PER_PARAM = 28
+
+#: Tokens per sequence a prediction assumes without --seq (fewer when the model takes fewer:
+#: ``models.sequence_length``).
+DEFAULT_SEQ = 2048
 
 #: Repeated blocks per bucket that ``suggest`` tries (the last bucket of a run may hold fewer).
 GROUPINGS = (1, 2, 3, 4, 6, 8)
@@ -261,7 +266,7 @@ def predict_plan(
     world: int,
     replicate: int = 1,
     batch: int = 1,
-    seq: int = 2048,
+    seq: int = DEFAULT_SEQ,
     hardware: Any = None,
     profile: Any = None,
     device_type: str | None = "cuda",
@@ -379,7 +384,7 @@ def suggest(
     world: int,
     replicate: int = 1,
     batch: int = 1,
-    seq: int = 2048,
+    seq: int = DEFAULT_SEQ,
     hardware: Any = None,
     profile: Any = None,
     device_type: str | None = "cuda",
