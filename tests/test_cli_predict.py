@@ -16,7 +16,7 @@ from test_cli import ROOT, SMALL, run, run_json
 from fsdp_overlap_plugin.cli import load_model
 from fsdp_overlap_plugin.cli.analysis import SMALL_BUCKET_BYTES, bucket_rows
 from fsdp_overlap_plugin.cli.commands import cmd_check
-from fsdp_overlap_plugin.cli.predict import ROOT_NAME, bucket_costs
+from fsdp_overlap_plugin.cli.predict import ROOT_NAME, TIE, TIE_RULE, bucket_costs, choose
 from fsdp_overlap_plugin.config.plan import resolve_plan
 from fsdp_overlap_plugin.config.schema import OverlapConfig
 from fsdp_overlap_plugin.report import costmodel
@@ -445,3 +445,54 @@ def test_suggest_compares_against_the_configs_own_plan(capsys, tmp_path):
     now = out["candidates"][out["current"]]
     assert now["words"] == "your bucket_plans" and now["depth"] == 2 and now["buckets"] == 9
     assert sorted(c["depth"] for c in out["candidates"] if c["words"] == "your bucket_plans") == [1, 2, 3]
+
+
+# --------------------------------------------------------------- suggest's tie rule (issue 55)
+GIB = 2**30
+
+
+def _candidate(step: float, peak: float, *, fits: bool = True, auto: bool = False, current: bool = False) -> dict:
+    return {"step_s": step, "peak_bytes": int(peak * GIB), "fits": fits, "auto": auto, "current": current}
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        ((0.531, 0.531), 1),  # equal steps: 1.5 GiB beats 1.8 GiB (the issue: 1.8 GiB was picked)
+        ((0.531, 0.531 * (1 + TIE / 2)), 1),  # within 1%: still a tie, the smaller memory wins
+        ((0.531, 0.531 * (1 + 2 * TIE)), 0),  # 2% slower is not a tie: the faster wins
+        ((0.531 * (1 + TIE / 2), 0.531), 1),  # the smaller is also the faster
+    ],
+)
+def test_suggest_picks_the_least_memory_among_steps_within_the_tie(steps, expected):
+    # the issue's pair: 4 blocks per bucket at depth 1 (1.8 GiB) and 2 blocks at depth 3 (1.5 GiB)
+    candidates = [
+        _candidate(0.560, 0.44, auto=True, current=True),
+        _candidate(steps[0], 1.8),
+        _candidate(steps[1], 1.5),
+        _candidate(0.500, 2.3, fits=False),  # fastest, but over the budget: not a candidate
+    ]
+    assert choose(candidates) == expected + 1
+    # equal step and memory: the auto plan, then the settings now
+    same = [_candidate(0.5, 1.0), _candidate(0.5, 1.0, current=True), _candidate(0.5, 1.0, auto=True)]
+    assert choose(same) == 2
+    assert choose([_candidate(0.5, 1.0, fits=False)]) is None
+
+
+def test_suggest_follows_the_rule_its_footer_and_the_docs_state(capsys):
+    """The docs' example: 2 blocks per bucket at depth 3 and 4 at depth 1 both predict
+    0.531 s; the one gathering 1.5 GiB ahead wins over 1.8 GiB. The footer prints TIE_RULE,
+    and docs/tuning.md states the same words."""
+    argv = ["suggest", "fsdp_overlap_plugin.models.gpt:gpt_1b", "--world", "8", "--batch", "2"]
+    argv += ["--hardware", "h100-ib400,link=25GB/s", "--memory-budget", "2GiB"]
+    code, out = run_json(capsys, *argv)
+    chosen = out["candidates"][out["chosen"]]
+    fastest = min(c["step_s"] for c in out["candidates"] if c["fits"])
+    tied = [c for c in out["candidates"] if c["fits"] and c["step_s"] <= fastest * (1 + TIE)]
+    assert len(tied) >= 2 and chosen["peak_bytes"] == min(c["peak_bytes"] for c in tied)
+    assert (chosen["per_bucket"], chosen["depth"]) == (2, 3)
+    code, text, _ = run(capsys, *argv)
+    assert f"  ({TIE_RULE})" in text.splitlines()
+    assert "fewer buckets ahead" not in text
+    docs = " ".join((ROOT / "docs" / "tuning.md").read_text().split())
+    assert TIE_RULE[0].upper() + TIE_RULE[1:] in docs
