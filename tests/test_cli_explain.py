@@ -162,7 +162,7 @@ def test_explain_text(capsys, tmp_path):
     bare_before = 65536 + 16384 + 199936 * 2 + 66048
     assert (
         f"before the passes: 14 items; all_gather 5 launches in 4 buckets, 0 with compute between launch and wait, "
-        f"{bare_before / 1024:.1f} KiB of {bare_before / 1024:.1f} KiB with none (cannot hide)" in fwd
+        f"{bare_before / 1024:.1f} KiB of {bare_before / 1024:.1f} KiB without (cannot hide)" in fwd
     )
     assert (
         "after the passes:  12 items; all_gather 4 launches in 4 buckets, 3 with compute between launch and wait, "

@@ -249,6 +249,6 @@ def test_summary_and_explain_state_the_same_hidden_and_exposed_numbers(llama_rep
     for line in lines + summary:
         if re.search(r"\b(exposed|hidden)\b", line) and not re.search(r"[\d.]+ ms|why not more:", line):
             raise AssertionError(f"exposed/hidden without the cost model's time: {line!r}")
-    assert "with none (cannot hide)" in text  # the node-order count, in its own words
+    assert "without (cannot hide)" in text  # the node-order count, in its own words
     assert main(["explain", str(metrics), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["predicted"] == json.loads(json.dumps(report["predicted"]))

@@ -233,7 +233,7 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
                 parts.append(
                     f"{op} {launches} launches{sent} in {len(mine)} buckets, {sum(g['overlapped'] for g in mine)} with "
                     f"compute between launch and wait, {format_bytes(bare)} of "
-                    f"{format_bytes(sum(g['bytes'] for g in mine))} with none ({CANNOT_HIDE})"
+                    f"{format_bytes(sum(g['bytes'] for g in mine))} without ({CANNOT_HIDE})"
                 )
             lines.append(
                 f"  {phase + ' the passes:':<19}{len(entry[phase]['items'])} items; {'; '.join(parts) or 'no collectives'}"
