@@ -159,15 +159,18 @@ def test_explain_text(capsys, tmp_path):
     assert code == 0
     assert "plan    4 buckets: 0 [tok_emb, pos_emb]  1 [blocks.0]  2 [blocks.1]  3 [norm, head]" in text
     fwd = text[text.index("forward graph") : text.index("backward graph")]
-    exposed_before = 65536 + 16384 + 199936 * 2 + 66048
+    bare_before = 65536 + 16384 + 199936 * 2 + 66048
     assert (
-        f"before the passes: 14 items; all_gather 5 launches in 4 buckets, 0 with compute before their wait, "
-        f"{exposed_before / 1024:.1f} KiB of {exposed_before / 1024:.1f} KiB exposed" in fwd
+        f"before the passes: 14 items; all_gather 5 launches in 4 buckets, 0 with compute between launch and wait, "
+        f"{bare_before / 1024:.1f} KiB of {bare_before / 1024:.1f} KiB without (cannot hide)" in fwd
     )
-    assert "after the passes:  12 items; all_gather 4 launches in 4 buckets, 3 with compute before their wait, " in fwd
-    assert f"{81920 / 1024:.1f} KiB of" in fwd  # only bucket 0 stays exposed
+    assert (
+        "after the passes:  12 items; all_gather 4 launches in 4 buckets, 3 with compute between launch and wait, "
+        in fwd
+    )
+    assert f"{81920 / 1024:.1f} KiB of" in fwd  # only bucket 0 has nothing to hide behind
     block0 = fwd[fwd.index("bucket 1 [blocks.0]  all_gather") :].splitlines()[:3]
-    assert block0[1].strip() == "before: 1 launch #5, wait #6, 195.2 KiB; nothing in between: exposed"
+    assert block0[1].strip() == "before: 1 launch #5, wait #6, 195.2 KiB; nothing in between: cannot hide"
     assert block0[2].strip() == "after:  1 launch #2, wait #4, 195.2 KiB; 40.0 KFLOP of compute in between (1 item)"
     emb = fwd[fwd.index("bucket 0 [tok_emb, pos_emb]") :].splitlines()[1]
     assert "2 launches #0,#2, waits #1,#3, 80.0 KiB" in emb
@@ -240,6 +243,43 @@ def test_explain_bad_report_exits_2(capsys, tmp_path, content, culprit):
     assert code == 2 and culprit in err
     code, _, err = run(capsys, "explain", str(tmp_path / "missing.json"))
     assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda r: {"losses": [5.5, 5.4], "report": r},  # examples/accelerate_train.py, hf_accelerate.py --metrics
+        lambda r: {"losses": [5.5], "rank_losses": [[5.5], [5.5]], "report": r},  # examples/hf_lightning.py
+    ],
+    ids=["accelerate", "lightning"],
+)
+def test_explain_and_timeline_read_the_examples_metrics_files(capsys, tmp_path, monkeypatch, wrap):
+    """Issue 55: explain refused a --metrics file, whose report is under "report"."""
+    bare = write(tmp_path, make_report())
+    metrics = write(tmp_path, wrap(make_report()), "metrics.json")
+    code, expected, _ = run(capsys, "explain", bare)
+    code, text, err = run(capsys, "explain", metrics)
+    assert code == 0 and err == "" and text == expected
+    drawn = []
+    monkeypatch.setattr(explain_module, "draw_timeline", lambda report, out, rates=None: drawn.append(report))
+    code, _, _ = run(capsys, "timeline", metrics, "--out", str(tmp_path / "t.png"))
+    assert code == 0 and drawn == [make_report()]
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ({"log_history": [], "world": 2}, "this one has the keys 'log_history', 'world'."),  # hf_trainer's metrics
+        ({"losses": [1.0], "report": {"a": 1}}, "and its 'report' is not a schedule report."),
+        ([1, 2], "this one is a list, not an object."),
+    ],
+)
+def test_explain_names_the_shapes_it_reads_when_given_another(capsys, tmp_path, content, said):
+    path = write(tmp_path, content, "other.json")
+    code, _, err = run(capsys, "explain", path)
+    assert code == 2
+    assert f"{path}: not a schedule report: expected a JSON object with 'forward' / 'backward' graph records" in err
+    assert "or one whose 'report' key holds one (the examples' --metrics files)" in err and said in err
 
 
 def test_explain_png_draws_the_cost_model_timeline(capsys, tmp_path, monkeypatch):

@@ -62,11 +62,12 @@ def test_explain_shows_each_buckets_reduce_scatter_sent_as_all_to_all(capsys, de
     backward = out[out.index("backward graph") :]
     assert "none" not in backward  # every bucket's gradients were reduced: none says otherwise
     lines = backward.splitlines()
+    assert lines[1].startswith("  communication hidden behind compute (predicted): ")  # the cost model's time
     assert (
-        "reduce_scatter 6 launches (all sent as all-to-all) in 6 buckets, 6 with compute before their wait, "
-        "0 B of 925.5 KiB exposed" in lines[2]
+        "reduce_scatter 6 launches (all sent as all-to-all) in 6 buckets, 6 with compute between launch and wait, "
+        "0 B of 925.5 KiB without (cannot hide)" in lines[3]
     )
-    assert lines[3] == (
+    assert lines[4] == (
         "  after the passes, 6 gradient reduce-scatters ran as all-to-all plus a local sum (reduce_scatter_impl: "
         "auto -> receive_first): each rank receives every rank's copy of its own chunk and adds them up; listed "
         "below as reduce_scatter, sent as all-to-all"

@@ -232,3 +232,22 @@ def test_a_config_path_without_the_prefix_is_not_guessed(capsys, llama_dir):
     code, _, err = run(capsys, "inspect", str(llama_dir / "config.json"))
     assert code == 2 and "expected package.module:factory" in err
     assert f"prefix it: hf:{llama_dir / 'config.json'}" in err
+
+
+# ------------------------------------------------------ the model's longest sequence (issue 55)
+def test_max_sequence_length_reads_the_transformers_config(capsys, llama_dir, gpt2_file):
+    from fsdp_overlap_plugin.cli.models import max_sequence_length
+
+    llama, _ = load_model(f"hf:{llama_dir}")
+    assert max_sequence_length(llama) == (64, "max_position_embeddings in its config", "max_position_embeddings")
+    gpt2, _ = load_model(f"hf:{gpt2_file}")
+    assert max_sequence_length(gpt2).tokens == 64  # n_positions (GPT-2), also read as max_position_embeddings
+    with torch.device("meta"):
+        assert max_sequence_length(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None  # unknown: no limit
+
+    code, _, err = run(capsys, "inspect", f"hf:{llama_dir}", "--seq", "65")
+    assert code == 2
+    assert "--seq 65: model hf:" in err and "takes at most 64 tokens per sequence (max_position_embeddings" in err
+    assert "--model-arg max_position_embeddings=65" in err
+    code, out = run_json(capsys, "inspect", f"hf:{llama_dir}", "--model-arg", "max_position_embeddings=128")
+    assert out["prediction"]["seq"] == 128 and "the model's most" in out["prediction"]["seq_note"]

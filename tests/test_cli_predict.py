@@ -16,7 +16,7 @@ from test_cli import ROOT, SMALL, run, run_json
 from fsdp_overlap_plugin.cli import load_model
 from fsdp_overlap_plugin.cli.analysis import SMALL_BUCKET_BYTES, bucket_rows
 from fsdp_overlap_plugin.cli.commands import cmd_check
-from fsdp_overlap_plugin.cli.predict import ROOT_NAME, bucket_costs
+from fsdp_overlap_plugin.cli.predict import ROOT_NAME, TIE, TIE_RULE, bucket_costs, choose
 from fsdp_overlap_plugin.config.plan import resolve_plan
 from fsdp_overlap_plugin.config.schema import OverlapConfig
 from fsdp_overlap_plugin.report import costmodel
@@ -172,15 +172,94 @@ def test_check_prints_and_returns_the_prediction_with_its_sources(capsys):
 
 
 def test_inspect_prints_and_returns_the_prediction(capsys):
-    code, out = run_json(capsys, "inspect", SMALL, "--world", "4")
+    longer = ["--model-arg", "block_size=2048"]  # gpt_small takes 64 tokens; this one the default 2048
+    code, out = run_json(capsys, "inspect", SMALL, *longer, "--world", "4")
     assert code == 0
     assert out["prediction"]["world"] == 4 and out["prediction"]["seq"] == 2048 and out["prediction"]["batch"] == 1
-    code, text, _ = run(capsys, "inspect", SMALL, "--world", "4")
+    assert out["prediction"]["seq_note"] is None
+    code, text, _ = run(capsys, "inspect", SMALL, *longer, "--world", "4")
     lines = text.splitlines()
     warned = next(i for i, line in enumerate(lines) if line.startswith("warnings"))
     predicted = next(i for i, line in enumerate(lines) if line.startswith("predicted step per rank"))
     assert predicted > warned  # after the existing output
     assert lines[predicted].startswith("predicted step per rank (cost model; 4 ranks, mesh 4; 1 x 2048 tokens")
+    assert not any(line.startswith("seq ") for line in lines)
+
+
+# ------------------------------------------------------ the model's longest sequence (issue 55)
+def _argv(command: str, *model: str) -> list[str]:
+    return [command, PLUGIN_YAML, "--model", *model] if command == "check" else [command, *model]
+
+
+SEQ_LIMIT = "takes at most 64 tokens per sequence (its block_size, the rows of its position table)"
+
+
+@pytest.mark.parametrize("command", ["inspect", "check", "suggest"])
+def test_a_seq_longer_than_the_model_takes_is_exit_2_naming_its_limit(capsys, command):
+    """gpt_small has 64 positions: --seq 2048 was predicted silently (and profile's 128 died
+    in a native kernel)."""
+    code, _, err = run(capsys, *_argv(command, SMALL), "--seq", "2048")
+    assert code == 2
+    assert f"fsdp-overlap {command}: error: --seq 2048: model {SMALL} {SEQ_LIMIT}; pass --seq 64 or less" in err
+    assert "--model-arg block_size=2048" in err
+    code, out = run_json(capsys, *_argv(command, SMALL), "--seq", "64")
+    pred = out if command == "suggest" else out["prediction"]
+    assert code == 0 and pred["seq"] == 64 and pred["seq_note"] is None
+
+
+@pytest.mark.parametrize("command", ["inspect", "check", "suggest"])
+def test_without_seq_the_default_is_cut_to_the_models_limit_in_one_line(capsys, command):
+    code, out = run_json(capsys, *_argv(command, SMALL))
+    pred = out if command == "suggest" else out["prediction"]
+    assert code == 0 and pred["seq"] == 64 and pred["tokens_per_rank"] == 64
+    code, text, _ = run(capsys, *_argv(command, SMALL))
+    said = [line for line in text.splitlines() if "tokens per sequence" in line]
+    assert said == [
+        "seq     64 tokens per sequence, the model's most (its block_size, the rows of its position table), "
+        "not the default 2048 (--seq sets it)"
+    ]
+    # a model with positions to spare keeps the default, and says nothing
+    code, out = run_json(capsys, *_argv(command, SMALL, "--model-arg", "block_size=4096"))
+    pred = out if command == "suggest" else out["prediction"]
+    assert pred["seq"] == 2048 and pred["seq_note"] is None
+
+
+def test_profile_defaults_run_the_models_length_and_refuse_a_longer_seq(capsys, tmp_path):
+    """``profile gpt_small`` with its defaults (--seq 128) died with SIGABRT in an inductor
+    kernel; now it times 64 tokens and says so, and --seq 128 is exit 2 before anything runs."""
+    out_file = tmp_path / "p.json"
+    base = ["profile", SMALL, "--out", str(out_file), "--no-compile", "--steps", "1", "--warmup", "0"]
+    code, _, err = run(capsys, *base, "--seq", "128")
+    assert code == 2 and f"--seq 128: model {SMALL} {SEQ_LIMIT}" in err
+    assert not out_file.exists()
+    code, text, _ = run(capsys, *base)
+    assert code == 0
+    assert text.splitlines()[0].startswith("seq     64 tokens per sequence, the model's most")
+    assert "not the default 128 (--seq sets it)" in text
+    assert json.loads(out_file.read_text())["model"]["seq"] == 64
+
+
+def test_our_gpt_refuses_a_longer_input_in_python_and_compiles_without_graph_breaks():
+    import torch
+    import torch._dynamo
+
+    from fsdp_overlap_plugin.models import gpt_small
+
+    torch.manual_seed(0)
+    model = gpt_small()
+    with pytest.raises(ValueError, match=r"GPT: the input has 65 tokens per sequence, more than block_size 64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    torch._dynamo.reset()
+    try:
+        assert torch._dynamo.explain(model)(x).graph_break_count == 0
+        for dynamic in (False, True):  # the check is a guard on the length, compiled in one graph
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+            assert torch.equal(compiled(x), model(x))
+            with pytest.raises(Exception, match="more than block_size 64"):
+                compiled(torch.zeros(2, 65, dtype=torch.long))
+    finally:
+        torch._dynamo.reset()
 
 
 def test_without_a_world_size_eight_ranks_are_assumed_and_said(capsys):
@@ -241,6 +320,38 @@ def test_a_faster_link_exposes_less_communication(capsys):
 
     slow, fast = exposed("10GB/s"), exposed("100GB/s")
     assert fast < slow
+
+
+@pytest.mark.parametrize("command", ["inspect", "check", "suggest"])
+def test_the_preset_assumed_is_the_machines_accelerator_or_a_gpu_said_in_one_line(capsys, monkeypatch, command):
+    """Issue 55: on a CPU-only machine check/inspect predicted with h100-nvlink while a run
+    there reports with cpu-gloo-300mbit, and nothing said why. The CLI takes the device type
+    the runtime picks (its report's preset); with no accelerator it still plans a GPU run,
+    and one line says so and how to predict the run on this machine."""
+    from fsdp_overlap_plugin.runtime import devices
+
+    def preset(out):
+        return (out if command == "suggest" else out["prediction"])["preset"]
+
+    monkeypatch.setattr(devices, "detect_device_type", lambda preferred=None: "cpu")
+    code, out = run_json(capsys, *_argv(command, SMALL))
+    assert code == 0 and preset(out) == "h100-nvlink"
+    code, text, _ = run(capsys, *_argv(command, SMALL))
+    said = [line for line in text.splitlines() if line.startswith("rates   ")]
+    assert said == [
+        "rates   no --hardware and no hardware setting: predicting a GPU run with the cuda default h100-nvlink; "
+        "this machine has no GPU, and a run on it reports with the cpu default cpu-gloo-300mbit "
+        "(--hardware cpu-gloo-300mbit predicts that; --hardware names the machine you will run on)"
+    ]
+    code, text, _ = run(capsys, *_argv(command, SMALL), "--hardware", "h100-ib400")
+    assert "rates   no --hardware" not in text  # the user named the machine
+
+    for here, expected in (("cuda", "h100-nvlink"), ("npu", "ascend-910b-hccs")):
+        monkeypatch.setattr(devices, "detect_device_type", lambda preferred=None, here=here: here)
+        code, out = run_json(capsys, *_argv(command, SMALL))
+        assert preset(out) == expected  # the preset the run's report on this machine assumes
+        code, text, _ = run(capsys, *_argv(command, SMALL))
+        assert f"{expected} (the {here} default)" in text and "rates   no --hardware" not in text
 
 
 def test_launch_checks_without_predicting(capsys):
@@ -334,3 +445,54 @@ def test_suggest_compares_against_the_configs_own_plan(capsys, tmp_path):
     now = out["candidates"][out["current"]]
     assert now["words"] == "your bucket_plans" and now["depth"] == 2 and now["buckets"] == 9
     assert sorted(c["depth"] for c in out["candidates"] if c["words"] == "your bucket_plans") == [1, 2, 3]
+
+
+# --------------------------------------------------------------- suggest's tie rule (issue 55)
+GIB = 2**30
+
+
+def _candidate(step: float, peak: float, *, fits: bool = True, auto: bool = False, current: bool = False) -> dict:
+    return {"step_s": step, "peak_bytes": int(peak * GIB), "fits": fits, "auto": auto, "current": current}
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        ((0.531, 0.531), 1),  # equal steps: 1.5 GiB beats 1.8 GiB (the issue: 1.8 GiB was picked)
+        ((0.531, 0.531 * (1 + TIE / 2)), 1),  # within 1%: still a tie, the smaller memory wins
+        ((0.531, 0.531 * (1 + 2 * TIE)), 0),  # 2% slower is not a tie: the faster wins
+        ((0.531 * (1 + TIE / 2), 0.531), 1),  # the smaller is also the faster
+    ],
+)
+def test_suggest_picks_the_least_memory_among_steps_within_the_tie(steps, expected):
+    # the issue's pair: 4 blocks per bucket at depth 1 (1.8 GiB) and 2 blocks at depth 3 (1.5 GiB)
+    candidates = [
+        _candidate(0.560, 0.44, auto=True, current=True),
+        _candidate(steps[0], 1.8),
+        _candidate(steps[1], 1.5),
+        _candidate(0.500, 2.3, fits=False),  # fastest, but over the budget: not a candidate
+    ]
+    assert choose(candidates) == expected + 1
+    # equal step and memory: the auto plan, then the settings now
+    same = [_candidate(0.5, 1.0), _candidate(0.5, 1.0, current=True), _candidate(0.5, 1.0, auto=True)]
+    assert choose(same) == 2
+    assert choose([_candidate(0.5, 1.0, fits=False)]) is None
+
+
+def test_suggest_follows_the_rule_its_footer_and_the_docs_state(capsys):
+    """The docs' example: 2 blocks per bucket at depth 3 and 4 at depth 1 both predict
+    0.531 s; the one gathering 1.5 GiB ahead wins over 1.8 GiB. The footer prints TIE_RULE,
+    and docs/tuning.md states the same words."""
+    argv = ["suggest", "fsdp_overlap_plugin.models.gpt:gpt_1b", "--world", "8", "--batch", "2"]
+    argv += ["--hardware", "h100-ib400,link=25GB/s", "--memory-budget", "2GiB"]
+    code, out = run_json(capsys, *argv)
+    chosen = out["candidates"][out["chosen"]]
+    fastest = min(c["step_s"] for c in out["candidates"] if c["fits"])
+    tied = [c for c in out["candidates"] if c["fits"] and c["step_s"] <= fastest * (1 + TIE)]
+    assert len(tied) >= 2 and chosen["peak_bytes"] == min(c["peak_bytes"] for c in tied)
+    assert (chosen["per_bucket"], chosen["depth"]) == (2, 3)
+    code, text, _ = run(capsys, *argv)
+    assert f"  ({TIE_RULE})" in text.splitlines()
+    assert "fewer buckets ahead" not in text
+    docs = " ".join((ROOT / "docs" / "tuning.md").read_text().split())
+    assert TIE_RULE[0].upper() + TIE_RULE[1:] in docs

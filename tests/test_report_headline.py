@@ -208,3 +208,47 @@ def test_report_json_round_trip_keeps_the_headline(llama_report, tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report, default=str))
     assert headline(json.loads(path.read_text())) == headline(report)
+
+
+def test_summary_and_explain_state_the_same_hidden_and_exposed_numbers(llama_report, tmp_path, capsys):
+    """Issue 55: the summary said "communication hidden behind compute (predicted): 13.6 of
+    67.7 ms per step" while ``explain`` of the same report said "0 B of 917.5 KiB exposed".
+    Hidden and exposed are now one thing everywhere, the cost model's predicted time
+    (docs/report.md): explain prints the summary's line, and each graph's own figures from
+    the same ``report["predicted"]``; its node-order byte count is named otherwise."""
+    import json
+
+    from fsdp_overlap_plugin.cli import main
+
+    report = llama_report[0]
+    summary = fo.format_report(report).splitlines()
+    (hidden,) = [line for line in summary if "communication hidden behind compute (predicted)" in line]
+    # the metrics file as examples/accelerate_train.py writes it: explain reads the report inside
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"losses": [5.5, 5.4], "report": report}, default=str))
+    assert main(["explain", str(metrics)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert f"step    {hidden.strip()}" in lines
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    for kind, phases in report["predicted"].items():
+        a, b = phases["after"], phases["before"]
+        section = text[text.index(f"{kind} graph") :]
+        assert (
+            f"  communication hidden behind compute (predicted): {ms(a['comm_s'] - a['exposed_comm_s'])} of "
+            f"{ms(a['comm_s'])} ms, {ms(b['comm_s'] - b['exposed_comm_s'])} of {ms(b['comm_s'])} before the passes; "
+            f"exposed (compute waiting for it) {ms(a['exposed_comm_s'])} ms, {ms(b['exposed_comm_s'])} before"
+        ) == section.splitlines()[1]
+    # per step, the summary's total is the graphs' sum: the same numbers, not another measure
+    after = [p["after"] for p in report["predicted"].values()]
+    assert (
+        f"{ms(sum(a['comm_s'] - a['exposed_comm_s'] for a in after))} of {ms(sum(a['comm_s'] for a in after))} ms"
+        in (hidden)
+    )
+    # "exposed" and "hidden" only ever stand beside predicted milliseconds, in both outputs
+    for line in lines + summary:
+        if re.search(r"\b(exposed|hidden)\b", line) and not re.search(r"[\d.]+ ms|why not more:", line):
+            raise AssertionError(f"exposed/hidden without the cost model's time: {line!r}")
+    assert "without (cannot hide)" in text  # the node-order count, in its own words
+    assert main(["explain", str(metrics), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted"] == json.loads(json.dumps(report["predicted"]))

@@ -20,8 +20,8 @@ from ..report import costmodel
 from .analysis import analyze, bucket_rows, module_tree, tied_parameters
 from .configs import SHAPES, LoadedConfig, load_config
 from .errors import CliError
-from .models import load_model, unaccepted_kwargs
-from .predict import plan_yaml, predict_plan, suggest
+from .models import load_model, sequence_length, unaccepted_kwargs
+from .predict import DEFAULT_SEQ, plan_yaml, predict_plan, suggest
 from .text import (
     auto_lines,
     bucket_lines,
@@ -38,10 +38,11 @@ from .text import (
     warning_lines,
 )
 
-__all__ = ["checked_config", "cmd_check", "cmd_inspect", "cmd_suggest", "plan_target"]
+__all__ = ["checked_config", "cmd_check", "cmd_inspect", "cmd_suggest", "plan_target", "predict_device"]
 
 #: The device type whose hardware preset a prediction assumes without --hardware or a
-#: ``hardware`` setting: the CLI plans GPU runs (its preset: h100-nvlink).
+#: ``hardware`` setting on a machine with no accelerator: the CLI plans GPU runs (its preset:
+#: h100-nvlink). With an accelerator, its own type (``predict_device``).
 PREDICT_DEVICE = "cuda"
 #: Ranks per replica a prediction assumes when neither --world nor the config gives a world
 #: size: one node of the presets (8 GPUs).
@@ -91,6 +92,36 @@ def _rates_args(args: argparse.Namespace) -> None:
         raise CliError(str(exc)) from None
 
 
+def predict_device(hardware: Any) -> tuple[str, str | None]:
+    """The device type whose preset a prediction assumes, and a line when that is not the
+    preset a run on this machine reports with. The machine's accelerator, as the runtime
+    picks it (``runtime.devices.detect_device_type``: a run's report assumes its preset), so
+    on a GPU or NPU machine ``check`` and the run agree; on a machine with none,
+    ``PREDICT_DEVICE`` (the CLI plans a GPU run; a run here would use the cpu preset, and the
+    line says so and how to predict that). ``hardware``: --hardware, else the config's."""
+    from ..runtime.devices import detect_device_type
+
+    here = detect_device_type()
+    if here != "cpu":
+        return here, None
+    if hardware:
+        return PREDICT_DEVICE, None
+    planned, local = costmodel.resolve_rates(PREDICT_DEVICE)["preset"], costmodel.resolve_rates("cpu")["preset"]
+    return PREDICT_DEVICE, (
+        f"rates   no --hardware and no hardware setting: predicting a GPU run with the {PREDICT_DEVICE} default "
+        f"{planned}; this machine has no GPU, and a run on it reports with the cpu default {local} "
+        f"(--hardware {local} predicts that; --hardware names the machine you will run on)"
+    )
+
+
+def _seq(args: argparse.Namespace, model: nn.Module, spec: str) -> tuple[int | None, str | None]:
+    """--seq checked against the model's longest sequence, or the default cut to it
+    (``models.sequence_length``); (None, None) where the caller has no --seq (``launch``)."""
+    if not hasattr(args, "seq"):
+        return None, None
+    return sequence_length(args.seq, model, spec, DEFAULT_SEQ)
+
+
 def _world(config: OverlapConfig, world: int | None) -> tuple[int, int, bool]:
     """(world, replicas, assumed) for a prediction: the world size given (--world, or the
     one the config file implies), else ``ASSUMED_SHARD`` ranks per replica (assumed)."""
@@ -102,13 +133,20 @@ def _world(config: OverlapConfig, world: int | None) -> tuple[int, int, bool]:
 
 
 def _prediction(
-    args: argparse.Namespace, model: nn.Module, config: OverlapConfig, plan: list[list[str]], world: int | None
+    args: argparse.Namespace,
+    model: nn.Module,
+    config: OverlapConfig,
+    plan: list[list[str]],
+    world: int | None,
+    seq: tuple[int | None, str | None],
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """The predicted step of ``plan`` and its lines; (None, []) where the caller has no
-    --seq (``launch`` runs ``check`` for its verdict only)."""
-    if not hasattr(args, "seq"):
+    --seq (``launch`` runs ``check`` for its verdict only). ``seq``: ``_seq``'s."""
+    tokens, seq_note = seq
+    if tokens is None:
         return None, []
     world, replicate, assumed = _world(config, world)
+    device_type, rates_note = predict_device(args.hardware or config.hardware)
     try:
         pred = predict_plan(
             model,
@@ -117,21 +155,22 @@ def _prediction(
             world=world,
             replicate=replicate,
             batch=args.batch,
-            seq=args.seq,
+            seq=tokens,
             hardware=args.hardware,
             profile=args.profile,
-            device_type=PREDICT_DEVICE,
+            device_type=device_type,
         )
     except ValueError as exc:  # the config's own hardware / compute_profile, read again
         raise CliError(str(exc)) from None
-    pred["world_assumed"] = assumed
-    return pred, prediction_lines(pred, config)
+    pred.update(world_assumed=assumed, seq_note=seq_note, rates_note=rates_note)
+    return pred, [n for n in (seq_note,) if n] + prediction_lines(pred, config) + [n for n in (rates_note,) if n]
 
 
 def cmd_inspect(args: argparse.Namespace) -> Result:
     _rates_args(args)
     loaded = load_config(args.config)
     model, info = load_model(args.model, args.model_arg)
+    seq = _seq(args, model, args.model)
     config, target, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
     plan = [r["modules"] for r in result["plan"]["buckets"]]
     tree = module_tree(target, config, plan, depth=args.depth)
@@ -172,7 +211,7 @@ def cmd_inspect(args: argparse.Namespace) -> Result:
         )
     lines += memory_lines(result, config)
     lines += warning_lines(result)
-    out["prediction"], predicted = _prediction(args, target, config, plan, args.world or loaded.world)
+    out["prediction"], predicted = _prediction(args, target, config, plan, args.world or loaded.world, seq)
     lines += predicted
     return 0, out, lines
 
@@ -254,6 +293,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
         if note:
             lines.append(f"        {note}")
         break
+    seq = _seq(args, model, spec)
     config, target, result = checked_config(loaded, model, args.world or loaded.world, args.small_bytes)
     out = {
         "command": "check",
@@ -295,7 +335,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
         )
     )
     plan = [r["modules"] for r in rows]
-    out["prediction"], predicted = _prediction(args, target, config, plan, args.world or loaded.world)
+    out["prediction"], predicted = _prediction(args, target, config, plan, args.world or loaded.world, seq)
     lines += predicted
     return (1 if args.strict and result["warnings"] else 0), out, lines
 
@@ -307,10 +347,12 @@ def cmd_suggest(args: argparse.Namespace) -> Result:
     _rates_args(args)
     loaded = load_config(args.config)
     model, info = load_model(args.model, args.model_arg)
+    tokens, seq_note = _seq(args, model, args.model)
     world_given = args.world or loaded.world
     config, target, result = checked_config(loaded, model, world_given, 0)
     world, replicate, assumed = _world(config, world_given)
     current = [r["modules"] for r in result["plan"]["buckets"]]
+    device_type, rates_note = predict_device(args.hardware or config.hardware)
     try:
         found = suggest(
             target,
@@ -319,15 +361,15 @@ def cmd_suggest(args: argparse.Namespace) -> Result:
             world=world,
             replicate=replicate,
             batch=args.batch,
-            seq=args.seq,
+            seq=tokens,
             hardware=args.hardware,
             profile=args.profile,
-            device_type=PREDICT_DEVICE,
+            device_type=device_type,
             budget=args.memory_budget,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    found["world_assumed"] = assumed
+    found.update(world_assumed=assumed, seq_note=seq_note, rates_note=rates_note)
     chosen = found["chosen"]
     spell = (lambda name: loaded.key(name).rpartition(".")[2]) if loaded.section else (lambda name: name)
     snippet = None
@@ -350,5 +392,7 @@ def cmd_suggest(args: argparse.Namespace) -> Result:
             "note    compile: false runs torch's fully_shard per bucket, without the passes: these predictions are "
             "for compile: true, and prefetch_depth does not apply until then"
         )
+    lines += [seq_note] if seq_note else []
     lines += suggest_lines(found, snippet or "", where)
+    lines += [rates_note] if rates_note else []
     return (0 if chosen is not None else 1), out, lines

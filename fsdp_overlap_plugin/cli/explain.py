@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report.costmodel import draw_timeline, predicted, report_rates
+from ..report.schedule import hidden_comm, overlap_lines, report_predicted
 from .errors import CliError
 from .text import format_bytes, format_flops, table
 
@@ -19,6 +20,10 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 GRAPHS = ("forward", "backward")
 #: How a reduce-scatter the passes sent as an all-to-all plus a local sum is named.
 SENT_AS_ALL_TO_ALL = "reduce-scatter, sent as all-to-all"
+#: The node-order words: a collective with no compute between its launch and its wait
+#: cannot hide behind any. Not "exposed": exposed and hidden are the cost model's predicted
+#: time (``report.schedule.hidden_comm``), which the "predicted" lines print.
+CANNOT_HIDE = "cannot hide"
 
 
 def _bucket_label(plan: list[list[str]] | None, bucket: int | None, module: str | None) -> str:
@@ -114,6 +119,10 @@ def summarize_schedule(
     return out
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
 def _positions(idx: list[int]) -> str:
     if not idx:
         return "-"
@@ -126,7 +135,7 @@ def explain_report(report: dict[str, Any], graphs: tuple[str, ...] = GRAPHS) -> 
     """The per-bucket order of launches and waits of each graph, before and after the passes."""
     if not isinstance(report, dict) or not any(k in report for k in GRAPHS):
         raise CliError("not a schedule report: expected a JSON object with 'forward' / 'backward' graph records.")
-    out: dict[str, Any] = {"plan": report.get("plan"), "graphs": {}}
+    out: dict[str, Any] = {"plan": report.get("plan"), "graphs": {}, "predicted": report_predicted(report)[0]}
     for kind in graphs:
         record = report.get(kind)
         if record is None:
@@ -176,6 +185,11 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
             + ", ".join(dict.fromkeys(f"{s['size']} = {s['traced_at']}" for s in sizes))
             + "); the collectives are the same at every value"
         )
+    overlap = overlap_lines(report)
+    if overlap:
+        lines.append("step    " + overlap[0].strip())
+        lines += ["       " + line.strip() for line in overlap[1:]]
+    pred = result.get("predicted") or {}
     for kind, entry in result["graphs"].items():
         lines.append("")
         if not entry["compiled"]:
@@ -196,6 +210,13 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
             continue
         cache = " (record from the FX graph cache)" if entry["from_cache"] else ""
         lines.append(f"{kind} graph{cache}")
+        if kind in pred:
+            b, a = pred[kind]["before"], pred[kind]["after"]
+            lines.append(
+                f"  communication hidden behind compute (predicted): {_ms(hidden_comm(a))} of {_ms(a['comm_s'])} ms, "
+                f"{_ms(hidden_comm(b))} of {_ms(b['comm_s'])} before the passes; exposed (compute waiting for it) "
+                f"{_ms(a['exposed_comm_s'])} ms, {_ms(b['exposed_comm_s'])} before"
+            )
         for phase in ("before", "after"):
             groups = entry[phase]["buckets"]
             parts = []
@@ -204,13 +225,15 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
                 if not mine:
                     continue
                 launches = sum(len(g["launches"]) for g in mine)
-                exposed = sum(g["bytes"] for g in mine if not g["overlapped"])
+                # node order only: bytes no compute lies between launch and wait for (they cannot hide);
+                # how much is hidden or exposed is time, the cost model's (the "predicted" line)
+                bare = sum(g["bytes"] for g in mine if not g["overlapped"])
                 carried = sum(g.get("sent_as_all_to_all", 0) for g in mine)
                 sent = f" ({'all' if carried == launches else carried} sent as all-to-all)" if carried else ""
                 parts.append(
                     f"{op} {launches} launches{sent} in {len(mine)} buckets, {sum(g['overlapped'] for g in mine)} with "
-                    f"compute before their wait, {format_bytes(exposed)} of {format_bytes(sum(g['bytes'] for g in mine))} "
-                    "exposed"
+                    f"compute between launch and wait, {format_bytes(bare)} of "
+                    f"{format_bytes(sum(g['bytes'] for g in mine))} without ({CANNOT_HIDE})"
                 )
             lines.append(
                 f"  {phase + ' the passes:':<19}{len(entry[phase]['items'])} items; {'; '.join(parts) or 'no collectives'}"
@@ -239,10 +262,10 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
                     lines.append(f"      {phase + ':':<8}none")
                     continue
                 n = g["compute_between_items"]
-                hidden = (
+                between = (
                     f"{format_flops(g['compute_between_flops'])} of compute in between ({n} item{'s' if n != 1 else ''})"
                     if g["overlapped"]
-                    else "nothing in between: exposed"
+                    else f"nothing in between: {CANNOT_HIDE}"
                 )
                 unwaited = f"; never waited in this graph: {len(g['unwaited'])}" if g["unwaited"] else ""
                 sent = ""
@@ -253,7 +276,7 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
                     f"      {phase + ':':<8}{len(g['launches'])} launch{'es' if len(g['launches']) != 1 else ''} "
                     f"{_positions(g['launches'])}{sent}, wait{'s' if len(g['waits']) != 1 else ''} "
                     f"{_positions(sorted(g['waits']))}, "
-                    f"{format_bytes(g['bytes'])}; {hidden}{unwaited}"
+                    f"{format_bytes(g['bytes'])}; {between}{unwaited}"
                 )
         if sequence:
             for phase in ("before", "after"):
@@ -277,14 +300,34 @@ def _explain_lines(report: dict[str, Any], result: dict[str, Any], sequence: boo
     return lines
 
 
+def _is_report(data: Any) -> bool:
+    return isinstance(data, dict) and any(k in data for k in GRAPHS)
+
+
 def _load_report(text: str) -> tuple[Path, dict]:
+    """The schedule report in the JSON file ``text``: the report itself (``json.dump(
+    schedule_report(model), f)``, the demo's --report-json), or one under a ``"report"`` key
+    (the examples' --metrics files: ``{"losses": [...], "report": {...}}``)."""
     path = Path(text)
     if not path.is_file():
         raise CliError(f"report {str(path)!r} does not exist.")
     try:
-        return path, json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except ValueError as exc:
         raise CliError(f"{path}: not valid JSON ({exc}).") from None
+    if _is_report(data):
+        return path, data
+    if isinstance(data, dict) and _is_report(data.get("report")):
+        return path, data["report"]
+    keys = ", ".join(repr(k) for k in list(data)[:8]) if isinstance(data, dict) else None
+    raise CliError(
+        f"{path}: not a schedule report: expected a JSON object with 'forward' / 'backward' graph records "
+        "(json.dump(schedule_report(model), f), or the demo's --report-json), or one whose 'report' key holds one "
+        "(the examples' --metrics files); "
+        + (f"this one has the keys {keys}" if keys else f"this one is a {type(data).__name__}, not an object")
+        + ("" if not isinstance(data, dict) or "report" not in data else ", and its 'report' is not a schedule report")
+        + "."
+    )
 
 
 def cmd_explain(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:

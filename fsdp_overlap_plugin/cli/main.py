@@ -64,7 +64,8 @@ def _add_predict_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help=f"the machine the prediction assumes: a preset ({', '.join(HARDWARE)}), your own numbers "
         "(link=100GB/s,flops=300TFLOP/s), or both (h100-ib400,link=300GB/s); replaces the config's hardware "
-        "setting (default: it, else h100-nvlink)",
+        "setting (default: it, else the preset of this machine's GPU or NPU, as a run here assumes; h100-nvlink on a "
+        "machine with neither)",
     )
     p.add_argument(
         "--profile",
@@ -74,7 +75,13 @@ def _add_predict_args(p: argparse.ArgumentParser) -> None:
         "overrides the config's compute_profile",
     )
     p.add_argument("--batch", type=_positive, default=1, metavar="N", help="sequences per rank per step (default 1)")
-    p.add_argument("--seq", type=_positive, default=2048, metavar="N", help="tokens per sequence (default 2048)")
+    p.add_argument(
+        "--seq",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="tokens per sequence (default 2048, or the model's maximum when it takes fewer; more than it is an error)",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

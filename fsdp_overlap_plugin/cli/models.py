@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,16 @@ from ..config.keys import suggest
 from ..config.parse import dtype_name
 from .errors import CliError
 
-__all__ = ["HF_PREFIX", "load_hf_model", "load_model", "parse_model_spec", "unaccepted_kwargs"]
+__all__ = [
+    "HF_PREFIX",
+    "SequenceLimit",
+    "load_hf_model",
+    "load_model",
+    "max_sequence_length",
+    "parse_model_spec",
+    "sequence_length",
+    "unaccepted_kwargs",
+]
 
 
 def _literal(text: str) -> Any:
@@ -326,3 +335,57 @@ def load_hf_model(spec: str, model_args: list[str] | None = None) -> tuple[nn.Mo
         "notes": notes,
     }
     return model, _describe(model, info)
+
+
+class SequenceLimit(NamedTuple):
+    """The most tokens per sequence a model takes, what sets it (for messages), and the
+    ``--model-arg`` key that raises it."""
+
+    tokens: int
+    source: str
+    key: str
+
+
+# transformers configs spell the longest sequence one of these ways (GPT-2: n_positions,
+# which its attribute_map also answers as max_position_embeddings)
+_HF_POSITION_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def max_sequence_length(model: nn.Module) -> SequenceLimit | None:
+    """The most tokens per sequence ``model`` takes: the repo GPT's ``block_size`` (the rows
+    of its position table), a transformers config's ``max_position_embeddings`` or
+    ``n_positions``; None when the model says neither. The first module (in
+    ``model.modules()`` order) that says decides, so a LightningModule holding a GPT gives
+    the GPT's."""
+    from ..models.gpt import GPT
+
+    for module in model.modules():
+        if isinstance(module, GPT):
+            return SequenceLimit(module.cfg.block_size, "its block_size, the rows of its position table", "block_size")
+        config = getattr(module, "config", None)
+        for key in _HF_POSITION_KEYS:
+            value = getattr(config, key, None) if config is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return SequenceLimit(value, f"{key} in its config", key)
+    return None
+
+
+def sequence_length(seq: int | None, model: nn.Module, spec: str, default: int) -> tuple[int, str | None]:
+    """The tokens per sequence a command runs or predicts with, and a line saying why when
+    it is not what the user asked for: ``seq`` (``--seq``) as given, a ``CliError`` naming
+    the model's limit when it is longer; without ``--seq``, ``default`` cut to the model's
+    limit."""
+    limit = max_sequence_length(model)
+    if seq is not None:
+        if limit is not None and seq > limit.tokens:
+            raise CliError(
+                f"--seq {seq}: model {spec} takes at most {limit.tokens} tokens per sequence ({limit.source}); "
+                f"pass --seq {limit.tokens} or less, or build it longer with --model-arg {limit.key}={seq}"
+            )
+        return seq, None
+    if limit is not None and limit.tokens < default:
+        return limit.tokens, (
+            f"seq     {limit.tokens} tokens per sequence, the model's most ({limit.source}), not the default "
+            f"{default} (--seq sets it)"
+        )
+    return default, None

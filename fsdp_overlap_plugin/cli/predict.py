@@ -26,10 +26,13 @@ from .analysis import _add_bytes, _memory, bucket_rows, kept_for_backward, param
 
 __all__ = [
     "ADAMW_BYTES_PER_PARAM",
+    "DEFAULT_SEQ",
     "DEPTHS",
     "GROUPINGS",
     "TIE",
+    "TIE_RULE",
     "bucket_costs",
+    "choose",
     "plan_yaml",
     "predict_plan",
     "suggest",
@@ -40,13 +43,23 @@ __all__ = [
 #: moments (12). The step is memory-bound, so it takes these bytes at the memory rate.
 ADAMW_BYTES_PER_PARAM = 28
 
+#: Tokens per sequence a prediction assumes without --seq (fewer when the model takes fewer:
+#: ``models.sequence_length``).
+DEFAULT_SEQ = 2048
+
 #: Repeated blocks per bucket that ``suggest`` tries (the last bucket of a run may hold fewer).
 GROUPINGS = (1, 2, 3, 4, 6, 8)
 #: Prefetch depths ``suggest`` tries with each plan.
 DEPTHS = (1, 2, 3)
 #: Steps within this fraction of the fastest are a tie for ``suggest``: the cost model is
-#: not finer than that, so a tie goes to the candidate holding less memory.
+#: not finer than that, so a tie goes to the candidate holding less memory (``TIE_RULE``).
 TIE = 0.01
+#: ``suggest``'s choice among the candidates that fit the budget, in the words its footer
+#: and docs/tuning.md print; ``choose`` is the same rule as code.
+TIE_RULE = (
+    f"steps within {TIE:.0%} of the fastest count as equal; of those, the one gathering the least parameter "
+    "memory ahead wins, then the faster, then the auto plan, then the settings now"
+)
 
 #: Where a bucket for the parameters no plan entry holds is named (they are gathered apart
 #: from the buckets, at the root module's turn).
@@ -261,7 +274,7 @@ def predict_plan(
     world: int,
     replicate: int = 1,
     batch: int = 1,
-    seq: int = 2048,
+    seq: int = DEFAULT_SEQ,
     hardware: Any = None,
     profile: Any = None,
     device_type: str | None = "cuda",
@@ -371,6 +384,27 @@ def plan_yaml(buckets: list[list[str]] | str, depth: int, key=lambda name: name)
     return "\n".join(lines) + "\n"
 
 
+def choose(candidates: list[dict[str, Any]]) -> int | None:
+    """The index of ``suggest``'s pick among ``candidates`` (each with ``step_s``,
+    ``peak_bytes``, ``fits``, ``auto``, ``current``), by ``TIE_RULE``: of those that fit,
+    the ones within ``TIE`` of the fastest step tie, and the least memory gathered ahead
+    wins, then the faster, then the auto plan, then the settings now. None when none fits."""
+    fitting = [i for i, c in enumerate(candidates) if c["fits"]]
+    if not fitting:
+        return None
+    best = min(candidates[i]["step_s"] for i in fitting)
+    tied = [i for i in fitting if candidates[i]["step_s"] <= best * (1 + TIE)]
+    return min(
+        tied,
+        key=lambda i: (
+            candidates[i]["peak_bytes"],
+            candidates[i]["step_s"],
+            not candidates[i]["auto"],
+            not candidates[i]["current"],
+        ),
+    )
+
+
 def suggest(
     model: nn.Module,
     config: OverlapConfig,
@@ -379,7 +413,7 @@ def suggest(
     world: int,
     replicate: int = 1,
     batch: int = 1,
-    seq: int = 2048,
+    seq: int = DEFAULT_SEQ,
     hardware: Any = None,
     profile: Any = None,
     device_type: str | None = "cuda",
@@ -390,9 +424,9 @@ def suggest(
 
     Tries each of ``_candidate_plans`` at each of ``DEPTHS`` (and the config's own depth).
     The peak is the one ``check`` prints: the most parameter bytes gathered at once while
-    prefetching, forward or backward (``analysis._memory``, the pass's own rule). Among the
-    candidates within ``TIE`` of the fastest, the one gathering fewer buckets ahead wins,
-    then the auto plan, then the current settings, then the faster.
+    prefetching, forward or backward (``analysis._memory``, the pass's own rule). The choice
+    follows ``TIE_RULE`` (``choose``): among the candidates within ``TIE`` of the fastest,
+    the smallest peak wins, then the faster, then the auto plan, then the current settings.
 
     Returns ``candidates`` (each: ``words``, ``buckets`` (count), ``plan`` ("auto" or the
     module lists, as the config takes it), ``modules`` (the module lists), ``per_bucket``
@@ -432,20 +466,7 @@ def suggest(
                 }
             )
     now = next(i for i, c in enumerate(candidates) if c["current"])
-    fitting = [i for i, c in enumerate(candidates) if c["fits"]]
-    chosen = None
-    if fitting:
-        best = min(candidates[i]["step_s"] for i in fitting)
-        tied = [i for i in fitting if candidates[i]["step_s"] <= best * (1 + TIE)]
-        chosen = min(
-            tied,
-            key=lambda i: (
-                candidates[i]["depth"],
-                not candidates[i]["auto"],
-                not candidates[i]["current"],
-                candidates[i]["step_s"],
-            ),
-        )
+    chosen = choose(candidates)
     speedup = candidates[now]["step_s"] / candidates[chosen]["step_s"] if chosen is not None else None
     return {
         "world": world,
@@ -456,6 +477,7 @@ def suggest(
         "tokens_per_rank": batch * seq,
         "budget": budget,
         "tie": TIE,
+        "tie_rule": TIE_RULE,
         "optimizer_s": optimizer_s,
         "optimizer_bytes_per_param": ADAMW_BYTES_PER_PARAM,
         "rates": rates,

@@ -26,9 +26,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import CliError
-from .models import load_model
+from .models import load_model, sequence_length
 
-__all__ = ["add_parser", "cmd_profile", "measure_compute"]
+__all__ = ["PROFILE_SEQ", "add_parser", "cmd_profile", "measure_compute"]
+
+#: Tokens per sequence ``profile`` times without --seq (fewer when the model takes fewer).
+PROFILE_SEQ = 128
 
 
 def add_parser(sub: Any) -> None:
@@ -45,7 +48,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--out", default="compute_profile.json", help="JSON to write (default compute_profile.json)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default {PROFILE_SEQ}, or the model's maximum when it takes fewer; more than it "
+        "is an error)",
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first; the first compiles (default 2)")
     p.add_argument("--device", default=None, help="cpu, cuda or npu (default: cuda if available, else cpu)")
@@ -143,7 +152,7 @@ def cmd_profile(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str
     from .predict import bucket_costs
 
     for name in ("batch", "seq", "steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"profile: --{name} must be at least 1, got {getattr(args, name)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -151,8 +160,11 @@ def cmd_profile(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str
     if args.threads:
         torch.set_num_threads(args.threads)
     model, info = load_model(args.model, args.model_arg)
+    # a longer sequence than the model's positions indexes past its table: checked here, in words,
+    # not by a native kernel's abort
+    seq, seq_note = sequence_length(args.seq, model, args.model, PROFILE_SEQ)
     config = OverlapConfig()
-    costs = bucket_costs(model, config, resolve_plan(model, config), batch=args.batch, seq=args.seq)
+    costs = bucket_costs(model, config, resolve_plan(model, config), batch=args.batch, seq=seq)
     flops = sum(b["flops_forward"] + b["flops_backward"] for b in costs)
     torch.manual_seed(0)
     materialize(model, device, on_uninitialized="warn")
@@ -162,7 +174,7 @@ def cmd_profile(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str
         model,
         flops_per_step=flops,
         batch=args.batch,
-        seq=args.seq,
+        seq=seq,
         steps=args.steps,
         warmup=args.warmup,
         device=device,
@@ -177,18 +189,19 @@ def cmd_profile(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str
         "device": f"{name}, {torch.get_num_threads()} threads" if device == "cpu" else name,
         "device_type": device.split(":")[0],
         "torch": torch.__version__,
-        "model": {"spec": args.model, "params": info.get("params"), "batch": args.batch, "seq": args.seq},
+        "model": {"spec": args.model, "params": info.get("params"), "batch": args.batch, "seq": seq},
         "compiled": not args.no_compile,
         "dtype": args.dtype,
         **result,
     }
     Path(args.out).write_text(json.dumps(profile, indent=1))
-    lines = [
+    lines = [seq_note] if seq_note else []
+    lines += [
         f"profile: {args.model} on {profile['device']}, {'compiled' if profile['compiled'] else 'eager'}, "
-        f"{args.batch} x {args.seq} tokens, {args.dtype}",
+        f"{args.batch} x {seq} tokens, {args.dtype}",
         f"  median step {result['step_s'] * 1e3:.1f} ms over {args.steps} steps (first {result['first_step_s']:.1f} s); "
         f"{flops:.3g} FLOPs per step -> {result['achieved_flops_per_s']:.3g} FLOP/s achieved",
         f"  written to {args.out}: use it with compute_profile: {args.out} in the plugin config, or --profile "
         f"{args.out} with check, inspect and suggest",
     ]
-    return 0, {"command": "profile", "out": args.out, "profile": profile}, lines
+    return 0, {"command": "profile", "out": args.out, "profile": profile, "seq_note": seq_note}, lines

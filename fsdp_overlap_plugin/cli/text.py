@@ -425,10 +425,7 @@ def suggest_lines(result: dict[str, Any], snippet: str, where: str = "") -> list
         )
         lines.append(f"paste into the plugin config{where}:")
         lines += ["  " + line for line in snippet.splitlines()]
-    lines.append(
-        f"  (steps within {result['tie'] * 100:.0f}% of the fastest count as equal; the one gathering fewer buckets "
-        "ahead wins, then the auto plan)"
-    )
+    lines.append(f"  ({result['tie_rule']})")
     lines.append(
         "  rates (--hardware, --profile; a prediction, not a measurement: docs/performance.md says how good it is):"
     )

@@ -100,6 +100,13 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
+        if t > self.cfg.block_size:
+            # a plain shape check: compiled, it is a guard on the length, not a graph break; without
+            # it a longer input indexes past pos_emb and dies in a native kernel with no traceback
+            raise ValueError(
+                f"GPT: the input has {t} tokens per sequence, more than block_size {self.cfg.block_size} (the rows "
+                f"of pos_emb); pass at most {self.cfg.block_size}, or build the model with block_size={t} or more"
+            )
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:

@@ -28,6 +28,9 @@ __all__ = [
     "checkpointing_total",
     "format_report",
     "headline",
+    "hidden_comm",
+    "overlap_lines",
+    "report_predicted",
     "reshard_total",
     "schedule_report",
     "summarize_pass",
@@ -318,15 +321,14 @@ def _rates_words(report: dict, cost: dict) -> str:
 def _rates_origin(report: dict, cost: dict) -> str:
     """Where the rates come from, in a few words (docs/performance.md has each source)."""
     config = report.get("config") or {}
+    device = report.get("device_type") or "cpu"  # resolve_rates' own default
     if not config.get("hardware") and not cost.get("measured"):
-        return (
-            f"{report.get('device_type')} default {cost['preset']}, not measured here; set hardware or compute_profile"
-        )
+        return f"{device} default {cost['preset']}, not measured here; set hardware or compute_profile"
     parts = []
     if config.get("hardware"):
         parts.append(f"hardware {cost['preset']}" + (" with your numbers" if cost.get("own") else ""))
     else:
-        parts.append(f"{report.get('device_type')} default {cost['preset']}")
+        parts.append(f"{device} default {cost['preset']}")
     if cost.get("measured"):
         parts.append("compute measured by compute_profile")
     return "; ".join(parts)
@@ -423,28 +425,7 @@ def headline(report: dict[str, Any]) -> list[str]:
     lines.append("  collectives per step (before -> after the passes): " + "; ".join(parts))
     if len(mesh) == 2 and mesh[0] > 1 and bwd:
         lines.append(_hsdp_words(mesh, bwd, report["passes"]))
-    pred = report.get("predicted") or {}
-    if pred:
-        after = {k: sum(p["after"][k] for p in pred.values()) for k in ("comm_s", "exposed_comm_s", "compute_s")}
-        before = sum(p["before"]["comm_s"] - p["before"]["exposed_comm_s"] for p in pred.values())
-        hidden = after["comm_s"] - after["exposed_comm_s"]
-        per_kind = ", ".join(
-            f"{k} {_ms(p['after']['comm_s'] - p['after']['exposed_comm_s'])} of {_ms(p['after']['comm_s'])}"
-            for k, p in pred.items()
-        )
-        cost = report.get("cost_model") or {}
-        lines.append(
-            f"  communication hidden behind compute (predicted): {_ms(hidden)} of {_ms(after['comm_s'])} ms per step, "
-            f"{_ms(before)} before the passes ({per_kind})"
-        )
-        if cost.get("rates") and cost.get("preset"):
-            lines.append(f"    rates assumed ({_rates_origin(report, cost)}): {_rates_words(report, cost)}")
-        if after["exposed_comm_s"] > 0.1 * after["comm_s"] and after["compute_s"] < after["comm_s"]:
-            lines.append(
-                f"    why not more: communication hides only behind compute, and this step computes for "
-                f"{_ms(after['compute_s'])} ms against {_ms(after['comm_s'])} ms of communication; a larger batch or "
-                "model, or a faster link, leaves more of it hidden"
-            )
+    lines += overlap_lines(report)
     prefetch = report.get("prefetch") or {}
     peaks = [prefetch[k]["peak_bytes"] for k in KINDS if k in prefetch]
     if peaks:
@@ -455,6 +436,61 @@ def headline(report: dict[str, Any]) -> list[str]:
             + (f" ({format_bytes(total)} for the whole model)" if total else "")
             + f"; prefetch depth {prefetch['depth']}, "
             + ("no budget" if budget is None else f"budget {format_bytes(budget)}")
+        )
+    return lines
+
+
+def hidden_comm(phase: dict[str, float]) -> float:
+    """Predicted seconds of communication *hidden* behind compute in one simulated graph
+    (``costmodel.simulate``'s ``comm_s`` minus ``exposed_comm_s``): the link busy while
+    compute runs. *Exposed* is the rest, the seconds compute waits for a collective. Both
+    are time, predicted by the cost model on the recorded order; docs/report.md defines them,
+    and the summary, ``explain`` and ``timeline`` all use these words for these numbers only."""
+    return phase["comm_s"] - phase["exposed_comm_s"]
+
+
+def report_predicted(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``report["predicted"]`` and ``report["cost_model"]`` as ``schedule_report`` wrote them;
+    for a report written without them, the same computed now from its schedules (the
+    device type's rates, or its config's hardware and compute_profile settings)."""
+    pred = report.get("predicted")
+    if pred is None:
+        try:
+            pred = predicted(report)
+        except (KeyError, TypeError, ValueError):  # a hand-written report without what the cost model reads
+            pred = {}
+    cost = report.get("cost_model")
+    if not cost:
+        config = report.get("config") or {}
+        try:
+            cost = resolve_rates(report.get("device_type"), config.get("hardware"), config.get("compute_profile"))
+        except ValueError:  # a profile file not on this machine: the rates are not known here
+            cost = {}
+    return pred, cost
+
+
+def overlap_lines(report: dict[str, Any]) -> list[str]:
+    """The predicted communication hidden behind compute per step (``hidden_comm`` over the
+    training graphs, after the passes, then before them and per graph), the rates assumed
+    and, when compute is shorter than communication, why little hides: the lines the
+    summary and ``fsdp-overlap explain`` both print, so they say the same numbers."""
+    pred, cost = report_predicted(report)
+    if not pred:
+        return []
+    after = {k: sum(p["after"][k] for p in pred.values()) for k in ("comm_s", "exposed_comm_s", "compute_s")}
+    before = sum(hidden_comm(p["before"]) for p in pred.values())
+    per_kind = ", ".join(f"{k} {_ms(hidden_comm(p['after']))} of {_ms(p['after']['comm_s'])}" for k, p in pred.items())
+    lines = [
+        f"  communication hidden behind compute (predicted): {_ms(hidden_comm(after))} of {_ms(after['comm_s'])} ms "
+        f"per step, {_ms(before)} before the passes ({per_kind})"
+    ]
+    if cost.get("rates") and cost.get("preset"):
+        lines.append(f"    rates assumed ({_rates_origin(report, cost)}): {_rates_words(report, cost)}")
+    if after["exposed_comm_s"] > 0.1 * after["comm_s"] and after["compute_s"] < after["comm_s"]:
+        lines.append(
+            f"    why not more: communication hides only behind compute, and this step computes for "
+            f"{_ms(after['compute_s'])} ms against {_ms(after['comm_s'])} ms of communication; a larger batch or "
+            "model, or a faster link, leaves more of it hidden"
         )
     return lines
 
