@@ -239,15 +239,20 @@ def test_max_sequence_length_reads_the_transformers_config(capsys, llama_dir, gp
     from fsdp_overlap_plugin.cli.models import max_sequence_length
 
     llama, _ = load_model(f"hf:{llama_dir}")
-    assert max_sequence_length(llama) == (64, "max_position_embeddings in its config", "max_position_embeddings")
+    # rotary positions: a longer sequence runs, so the limit only says what the model was built for
+    assert max_sequence_length(llama) == (64, "max_position_embeddings in its config", "max_position_embeddings", False)
     gpt2, _ = load_model(f"hf:{gpt2_file}")
-    assert max_sequence_length(gpt2).tokens == 64  # n_positions (GPT-2), also read as max_position_embeddings
+    limit = max_sequence_length(gpt2)  # n_positions (GPT-2), also read as max_position_embeddings
+    assert limit.tokens == 64 and limit.hard and "the rows of its position table" in limit.source  # wpe
     with torch.device("meta"):
         assert max_sequence_length(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None  # unknown: no limit
 
-    code, _, err = run(capsys, "inspect", f"hf:{llama_dir}", "--seq", "65")
+    code, _, err = run(capsys, "inspect", f"hf:{gpt2_file}", "--seq", "65")
     assert code == 2
     assert "--seq 65: model hf:" in err and "takes at most 64 tokens per sequence (max_position_embeddings" in err
-    assert "--model-arg max_position_embeddings=65" in err
+    assert "--model-arg max_position_embeddings=65" in err  # GPT-2 maps it to n_positions
+    code, out = run_json(capsys, "inspect", f"hf:{llama_dir}", "--seq", "65")
+    assert code == 0 and out["prediction"]["seq"] == 65
+    assert "more than the 64 of max_position_embeddings" in out["prediction"]["seq_note"]
     code, out = run_json(capsys, "inspect", f"hf:{llama_dir}", "--model-arg", "max_position_embeddings=128")
     assert out["prediction"]["seq"] == 128 and "the model's most" in out["prediction"]["seq_note"]

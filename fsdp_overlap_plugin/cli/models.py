@@ -338,12 +338,15 @@ def load_hf_model(spec: str, model_args: list[str] | None = None) -> tuple[nn.Mo
 
 
 class SequenceLimit(NamedTuple):
-    """The most tokens per sequence a model takes, what sets it (for messages), and the
-    ``--model-arg`` key that raises it."""
+    """The most tokens per sequence a model takes, what sets it (for messages), the
+    ``--model-arg`` key that raises it, and whether a longer sequence cannot run at all (a
+    learned position table indexed past its rows: an out-of-bounds index in a kernel) or
+    only leaves what the model was built for (rotary positions are computed for any length)."""
 
     tokens: int
     source: str
     key: str
+    hard: bool = True
 
 
 # transformers configs spell the longest sequence one of these ways (GPT-2: n_positions,
@@ -366,8 +369,18 @@ def max_sequence_length(model: nn.Module) -> SequenceLimit | None:
         for key in _HF_POSITION_KEYS:
             value = getattr(config, key, None) if config is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return SequenceLimit(value, f"{key} in its config", key)
+                if _position_table(module, value):
+                    return SequenceLimit(value, f"{key} in its config, the rows of its position table", key)
+                return SequenceLimit(value, f"{key} in its config", key, hard=False)
     return None
+
+
+def _position_table(model: nn.Module, positions: int) -> bool:
+    """``model`` holds a learned position embedding of ``positions`` rows (OPT's has 2 more)."""
+    return any(
+        isinstance(m, nn.Embedding) and m.num_embeddings in (positions, positions + 2) and ("pos" in n or "wpe" in n)
+        for n, m in model.named_modules()
+    )
 
 
 def sequence_length(seq: int | None, model: nn.Module, spec: str, default: int) -> tuple[int, str | None]:
@@ -377,6 +390,11 @@ def sequence_length(seq: int | None, model: nn.Module, spec: str, default: int) 
     limit."""
     limit = max_sequence_length(model)
     if seq is not None:
+        if limit is not None and seq > limit.tokens and not limit.hard:
+            return seq, (
+                f"seq     {seq} tokens per sequence, more than the {limit.tokens} of {limit.source}: its positions "
+                "are computed, not a table, so it runs; what it learnt past that length depends on the model"
+            )
         if limit is not None and seq > limit.tokens:
             raise CliError(
                 f"--seq {seq}: model {spec} takes at most {limit.tokens} tokens per sequence ({limit.source}); "
