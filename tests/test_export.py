@@ -325,6 +325,7 @@ _PEAK = """
 import sys
 from fsdp_overlap_plugin.cli import main
 import torch.distributed.checkpoint, safetensors.torch  # what the export imports, before the baseline
+import fsdp_overlap_plugin.cli.export  # main() imports a command's module when it runs it
 def status(field):  # MiB
     line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
     return int(line.split()[1]) / 1024

@@ -27,7 +27,8 @@ YAML), or an Accelerate YAML (the keys under ``fsdp_config`` as ``fsdp_overlap_<
 Each is read by the runtime's own reader for that format (``configs.py``), so ``check``
 gives the verdict the run would give.
 
-The package, one module per job: ``main`` (the command line), ``commands`` (``inspect``,
+The package, one module per job: ``main`` (the command line), ``options`` (what ``--help``
+shows beside ``main``: the ``export``/``profile`` options, defaults, value readers), ``commands`` (``inspect``,
 ``check``, ``suggest``), ``predict`` (each bucket's bytes and FLOPs, the predicted step and
 ``suggest``'s search, through ``costmodel``), ``profile`` (this machine's compute rate), ``configs`` (reading a config the runtime's way), ``models`` (``MODEL`` specs),
 ``analysis`` (plan, bytes, memory, one function per warning), ``text`` (formatting),
@@ -36,17 +37,27 @@ folder, offline), ``launch`` (``accelerate launch`` after a check).
 
 Exit codes: 0 fine (warnings are printed), 1 ``--strict`` and a warning, or nothing to
 explain / draw, 2 a bad config, model spec or report (the message names the key or module).
-Nothing here initialises a process group or allocates parameter memory.
+Nothing here initialises a process group or allocates parameter memory; ``--help``,
+``--version`` and ``COMMAND --help`` import no torch (``main`` and ``options`` are free of it;
+a command's module is imported to run it, and this package's other names on first use).
 """
 
 from __future__ import annotations
 
-from .analysis import analyze
-from .configs import LoadedConfig, load_config
+import importlib
+
 from .errors import CliError
-from .explain import explain_report, summarize_schedule
 from .main import build_parser, main
-from .models import load_model
+
+#: The names imported on first use (they import torch); ``main`` and ``build_parser`` do not.
+_LAZY = {
+    "LoadedConfig": ".configs",
+    "analyze": ".analysis",
+    "explain_report": ".explain",
+    "load_config": ".configs",
+    "load_model": ".models",
+    "summarize_schedule": ".explain",
+}
 
 __all__ = [
     "CliError",
@@ -59,3 +70,16 @@ __all__ = [
     "main",
     "summarize_schedule",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -18,6 +18,7 @@ from ..contract import BucketIndex
 from ..parallelize import unbucketed_parameters
 from ..passes.prefetch import kept_buckets, prefetch_plan
 from ..shard.preflight import preflight
+from .options import SMALL_BUCKET_BYTES
 from .text import format_bytes, format_count
 
 __all__ = [
@@ -31,9 +32,6 @@ __all__ = [
     "tied_parameters",
 ]
 
-#: Below this many bytes a bucket's fixed collective latency costs more than moving its
-#: bytes (alpha * beta with alpha ~ 20 us, beta ~ 50 GB/s; see docs/tuning.md).
-SMALL_BUCKET_BYTES = 2**20
 #: A bucket this many times the median bucket sets the prefetch memory peak on its own.
 LARGE_BUCKET_FACTOR = 4
 #: Unbucketed parameters named in the warning before "...".

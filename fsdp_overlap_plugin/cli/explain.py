@@ -12,12 +12,12 @@ from typing import Any
 from ..report.costmodel import draw_timeline, predicted, report_rates
 from ..report.schedule import hidden_comm, overlap_lines, report_predicted
 from .errors import CliError
+from .options import GRAPHS, rate_arg
 from .text import format_bytes, format_flops, table
 
 __all__ = ["cmd_explain", "cmd_timeline", "explain_report", "rate_arg", "summarize_schedule", "GRAPHS"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-GRAPHS = ("forward", "backward")
 #: How a reduce-scatter the passes sent as an all-to-all plus a local sum is named.
 SENT_AS_ALL_TO_ALL = "reduce-scatter, sent as all-to-all"
 #: The node-order words: a collective with no compute between its launch and its wait
@@ -357,21 +357,6 @@ def cmd_explain(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str
             lines.append(f"timeline written to {args.png}")
             out["png"] = str(args.png)
     return code, out, lines
-
-
-def rate_arg(text: str) -> float:
-    """'300mbit' / '1gbit' (bits per second) or '25gb' / '500mb' (bytes per second) -> bytes/s."""
-    lowered = text.strip().lower()
-    for suffix, scale in (("gbit", 1e9 / 8), ("mbit", 1e6 / 8), ("gb", 1e9), ("mb", 1e6)):
-        if lowered.endswith(suffix):
-            try:
-                return float(lowered[: -len(suffix)]) * scale
-            except ValueError:
-                break
-    try:
-        return float(lowered)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 300mbit, 1gbit, 25gb)") from None
 
 
 def cmd_timeline(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:

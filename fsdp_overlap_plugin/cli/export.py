@@ -18,49 +18,11 @@ import torch
 
 from ..config.parse import format_bytes, parse_dtype
 from ..shard.checkpoint_reader import model_names, open_checkpoint
-from ..shard.export import DEFAULT_MAX_SHARD_SIZE, Group, export_root, plan_export, tied_groups, write_folder
+from ..shard.export import Group, export_root, plan_export, tied_groups, write_folder
 from .errors import CliError
 from .models import load_model
 
-__all__ = ["add_parser", "cmd_export"]
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "export",
-        help="turn a training checkpoint (any world size) into a save_pretrained folder, offline",
-        description="Read a checkpoint written by a run (checkpoint.save's step_* or its folder, Lightning's "
-        "checkpoint, Accelerate's save_state folder, a DCP folder, a torch.save or safetensors file) one tensor "
-        "at a time and write a folder that from_pretrained loads.",
-    )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint folder or file")
-    p.add_argument("out", metavar="OUT", help="folder to write (created; earlier weight files in it are replaced)")
-    p.add_argument(
-        "--model",
-        default=None,
-        help="hf:path/to/config.json or package.module:factory: writes config.json and transformers' names "
-        "(without it: the checkpoint's names, weights only)",
-    )
-    p.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="keyword argument for the model factory, or a config field for hf: (repeatable)",
-    )
-    p.add_argument("--prefix", default=None, help="where the model's state dict starts in the checkpoint's names")
-    p.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16 | fp16 | fp32 (default: as saved)")
-    p.add_argument(
-        "--max-shard-size",
-        default=DEFAULT_MAX_SHARD_SIZE,
-        help=f"largest file before splitting with an index (default {DEFAULT_MAX_SHARD_SIZE})",
-    )
-    p.add_argument(
-        "--model-format",
-        action="store_true",
-        help="keep the model's own names and layout (skip transformers' reverse weight conversions)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+__all__ = ["cmd_export"]
 
 
 def cmd_export(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:

@@ -5,24 +5,19 @@ bad config, model spec, report or hardware setting)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
 from typing import Any
 
+# Only torch-free modules here: building the parser (--help, --version, COMMAND --help) must
+# not import torch; a command's module is imported when it runs (_COMMANDS).
 from .._version import __version__
-from ..config.parse import parse_bytes
-from ..config.schema import OverlapConfigError
-from ..report.costmodel import HARDWARE
-from .analysis import SMALL_BUCKET_BYTES
-from .commands import cmd_check, cmd_inspect, cmd_suggest
+from ..config.hardware import HARDWARE
+from ..config.sizes import format_bytes
 from .errors import CliError
-from .explain import GRAPHS, cmd_explain, cmd_timeline, rate_arg
-from .export import add_parser as add_export_parser
-from .export import cmd_export
-from .profile import add_parser as add_profile_parser
-from .profile import cmd_profile
-from .text import format_bytes
+from .options import GRAPHS, SMALL_BUCKET_BYTES, add_export_parser, add_profile_parser, rate_arg
 
 __all__ = ["build_parser", "main"]
 
@@ -33,6 +28,9 @@ def _size(option: str) -> Callable[[str], int]:
     """An argparse type reading a size (``2GiB``, ``512MiB``, bytes) for ``option``."""
 
     def read(text: str) -> int:
+        from ..config.parse import parse_bytes
+        from ..contract import OverlapConfigError
+
         try:
             value = parse_bytes(text, option)
         except OverlapConfigError as exc:
@@ -206,15 +204,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], list[str]]]] = {
-    "inspect": cmd_inspect,
-    "check": cmd_check,
-    "suggest": cmd_suggest,
-    "profile": cmd_profile,
-    "explain": cmd_explain,
-    "timeline": cmd_timeline,
-    "export": cmd_export,
+#: Each command's ``module:function`` (in this package), imported only to run it.
+_COMMANDS = {
+    "inspect": "commands:cmd_inspect",
+    "check": "commands:cmd_check",
+    "suggest": "commands:cmd_suggest",
+    "profile": "profile:cmd_profile",
+    "explain": "explain:cmd_explain",
+    "timeline": "explain:cmd_timeline",
+    "export": "export:cmd_export",
 }
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], tuple[int, dict[str, Any], list[str]]]:
+    module, function = _COMMANDS[name].split(":")
+    return getattr(importlib.import_module(f".{module}", __package__), function)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_main(argv[1:])
     args = build_parser().parse_args(argv)
+    command = _command(args.command)
+    from ..contract import OverlapConfigError  # imports torch, as the command does
+
     try:
-        code, out, lines = _COMMANDS[args.command](args)
+        code, out, lines = command(args)
     except (OverlapConfigError, CliError) as exc:
         message = str(exc)
         if args.json:

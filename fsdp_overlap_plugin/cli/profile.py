@@ -27,48 +27,9 @@ import torch.nn.functional as F
 
 from .errors import CliError
 from .models import load_model, sequence_length
+from .options import PROFILE_SEQ
 
-__all__ = ["PROFILE_SEQ", "add_parser", "cmd_profile", "measure_compute"]
-
-#: Tokens per sequence ``profile`` times without --seq (fewer when the model takes fewer).
-PROFILE_SEQ = 128
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "profile",
-        help="measure this machine's compute rate on a model (a JSON for compute_profile / --profile)",
-        description="Time a few unsharded, compiled training steps of MODEL on one device and write the "
-        "achieved FLOP/s that predictions (the report, check, inspect, suggest) can use instead of a preset's.",
-    )
-    p.add_argument(
-        "model",
-        metavar="MODEL",
-        help="package.module:factory (e.g. fsdp_overlap_plugin.models.gpt:gpt_1b) or hf:path/to/config.json",
-    )
-    p.add_argument("--out", default="compute_profile.json", help="JSON to write (default compute_profile.json)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument(
-        "--seq",
-        type=int,
-        default=None,
-        help=f"tokens per sequence (default {PROFILE_SEQ}, or the model's maximum when it takes fewer; more than it "
-        "is an error)",
-    )
-    p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first; the first compiles (default 2)")
-    p.add_argument("--device", default=None, help="cpu, cuda or npu (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="parameter dtype (default fp32)")
-    p.add_argument("--no-compile", action="store_true", help="time the eager model (what compile: false runs)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on cpu (default: torch's)")
-    p.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="keyword argument for the factory, or a config.json override for hf: (repeatable)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+__all__ = ["PROFILE_SEQ", "cmd_profile", "measure_compute"]
 
 
 def _vocab(model: nn.Module) -> int:

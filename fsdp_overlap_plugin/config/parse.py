@@ -17,6 +17,7 @@ import torch
 
 from ..contract import OverlapConfigError
 from .keys import suggest
+from .sizes import format_bytes
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -26,16 +27,6 @@ __all__ = [
     "parse_dtype",
     "read_yaml",
 ]
-
-
-def format_bytes(n: int | float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units, as memory is reported."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 # Accepted spellings of each dtype; the first one is the canonical name.

@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config.parse import parse_bytes, parse_dtype
 from ..config.schema import OverlapConfigError
+from ..config.sizes import DEFAULT_MAX_SHARD_SIZE
 from . import hf
 
 __all__ = [
@@ -72,8 +73,6 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-#: transformers 5's ``save_pretrained`` default
-DEFAULT_MAX_SHARD_SIZE = "50GB"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # The store-based checks of one call: every rank makes its calls in the same order.
 _CALLS = itertools.count()
