@@ -12,7 +12,7 @@ import re
 import warnings
 from pathlib import Path
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # the work since 0.1 (the docs' "0.1: ..." notes), released as 0.2.0: CHANGELOG [Unreleased]
 
 _DISTRIBUTION = "fsdp-overlap-plugin"
 _PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"

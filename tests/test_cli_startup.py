@@ -226,3 +226,21 @@ def test_an_unsupported_torch_warns_once_torch_is_imported():
         """
     )
     assert "WARNED" in result.stdout
+
+
+def test_the_version_is_after_the_0_1_the_docs_speak_of():
+    """The docs compare with "0.1" as an earlier release (``(0.1: 20 -> 20)``); the package
+    is the unreleased work after it (CHANGELOG's [Unreleased]), so it must not say 0.1.x."""
+    import re
+    from pathlib import Path
+
+    from packaging.version import Version
+
+    import fsdp_overlap_plugin
+
+    root = Path(__file__).resolve().parents[1]
+    version = Version(fsdp_overlap_plugin.__version__)
+    docs = " ".join(p.read_text() for p in (root / "docs").glob("*.md"))
+    assert re.search(r"\(0\.1: ", docs), "the docs no longer speak of 0.1 as earlier: revisit this test"
+    assert version > Version("0.1.99") and version.is_prerelease, version
+    assert "## [Unreleased]" in (root / "CHANGELOG.md").read_text()

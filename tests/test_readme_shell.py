@@ -123,8 +123,10 @@ def folder(tmp_path, assets) -> Path:  # noqa: F811  (the fixture imported above
 
 def _trains(command: str) -> bool:
     argv = shlex.split(command)
-    return argv[0] in ("accelerate", "torchrun") or (argv[0] == "python" and argv[1].startswith("examples/")) or (
-        argv[:2] == ["fsdp-overlap", "launch"]
+    return (
+        argv[0] in ("accelerate", "torchrun")
+        or (argv[0] == "python" and argv[1].startswith("examples/"))
+        or (argv[:2] == ["fsdp-overlap", "launch"])
     )
 
 
