@@ -20,6 +20,17 @@ Measured per configuration:
                     recording, recompiling and linting
     share           passes s / compile s
 
+``--warm`` runs each configuration a second time, in a new process against the same cache
+directory: what a user's second run spends on its first step when every graph comes from
+the compile cache (the passes do not run then). Its table splits that first step:
+
+    first step s    as above, wall
+    cpu s           the process's own CPU time in it; children cpu s: its subprocesses'
+                    (inductor's per-process vector-ISA probes and precompiled-header hash)
+    dynamo s        Dynamo tracing the forward (``compile_times()``: bytecode_tracing)
+    load s          AOT autograd's cache loading the compiled graphs (AOTAutogradCache.inductor_load)
+    cache           AOT autograd cache / FX graph cache hits
+
 Models: ``gpt`` (the repo's GPT, ``gpt_bench``: 4 blocks of width 256, ~3M parameters;
 ``--quick``: ``gpt_small``), ``llama`` (a transformers ``LlamaForCausalLM`` of ~110M
 parameters built from a ``LlamaConfig``: hidden 768, 12 layers, 12 heads, MLP 2048,
@@ -28,6 +39,7 @@ vocabulary 16000, untied head; a short sequence, since one CPU step of 100M is s
     python benchmarks/compile_time.py                  # gpt and llama, passes off and on
     python benchmarks/compile_time.py --quick          # gpt_small only (about a minute)
     python benchmarks/compile_time.py --models llama --json out.json
+    python benchmarks/compile_time.py --quick --warm   # and each again from the compile cache
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -74,10 +87,17 @@ def _build(model: str, quick: bool):
     return net, lambda: net(input_ids=x, labels=x).loss
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds so far (user + system): this process's, and its finished children's."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 def child(model: str, passes: bool, quick: bool) -> dict:
     """One configuration, in this (fresh) process: the measurements as a dict."""
     import torch
     import torch.distributed as dist
+    from torch._dynamo.utils import compile_times, counters
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
@@ -120,11 +140,15 @@ def child(model: str, passes: bool, quick: bool) -> dict:
     params = sum(p.numel() for p in net.parameters())
     fo.parallelize(net, backend="inductor", manual_bucketing=passes, overlap_grad_reduce=passes)
     times = []
+    cpu_before = _cpu()
     for _ in range(2):
         start = time.perf_counter()
         step().backward()
         times.append(time.perf_counter() - start)
+        if len(times) == 1:
+            cpu_first = [after - before for after, before in zip(_cpu(), cpu_before)]
     dist.destroy_process_group()
+    phases = {name: float(value) for name, value in zip(*compile_times(repr="csv", aggregate=True))}
     return {
         "model": model + ("-small" if quick and model == "gpt" else ""),
         "params": params,
@@ -135,20 +159,30 @@ def child(model: str, passes: bool, quick: bool) -> dict:
         "passes_s": spent["passes"],
         "post_grad_graphs": spent["post_grad_graphs"],
         "joint_graphs": spent["joint_graphs"],
+        "first_step_cpu_s": cpu_first[0],
+        "first_step_children_cpu_s": cpu_first[1],
+        "dynamo_s": phases.get("bytecode_tracing", 0.0),
+        "cache_load_s": phases.get("AOTAutogradCache.inductor_load", 0.0),
+        "aot_cache_hits": counters["aot_autograd"]["autograd_cache_hit"],
+        "fx_cache_hits": counters["inductor"]["fxgraph_cache_hit"],
     }
 
 
-def run_fresh(model: str, passes: bool, quick: bool) -> dict:
-    """``child`` in a new process with an empty inductor cache directory of its own."""
+def run_fresh(model: str, passes: bool, quick: bool, warm: bool = False) -> list[dict]:
+    """``child`` in a new process with an empty inductor cache directory of its own; with
+    ``warm``, then once more in another new process against that cache."""
+    rows = []
     with tempfile.TemporaryDirectory(prefix="fsdp-overlap-compile-time-") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1")
         cmd = [sys.executable, __file__, "--child", model, "--passes", "on" if passes else "off"]
         if quick:
             cmd.append("--quick")
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"{model} passes {'on' if passes else 'off'} failed:\n{out.stderr[-4000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        for run in ("cold", "warm") if warm else ("cold",):
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"{model} passes {'on' if passes else 'off'} failed:\n{out.stderr[-4000:]}")
+            rows.append(dict(json.loads(out.stdout.strip().splitlines()[-1]), run=run))
+    return rows
 
 
 def main() -> None:
@@ -156,6 +190,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gpt_small only, smallest sizes")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt, llama")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--warm", action="store_true", help="run each configuration again from the compile cache")
     parser.add_argument("--child", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--passes", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -163,10 +198,12 @@ def main() -> None:
         print(json.dumps(child(args.child, args.passes == "on", args.quick)))
         return
     models = ["gpt"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
-    rows = []
+    rows, warm = [], []
     for model in models:
         for passes in (False, True):
-            rows.append(run_fresh(model, passes, args.quick))
+            cold, *again = run_fresh(model, passes, args.quick, args.warm)
+            rows.append(cold)
+            warm.extend(again)
     print(
         "one rank of a fake process group of world size 2 (collectives return at once), inductor, one thread, "
         "a fresh process and an empty TORCHINDUCTOR_CACHE_DIR per row"
@@ -191,9 +228,27 @@ def main() -> None:
             f"time inside the passes with passes on: {on['passes_s']:.3f} s = {on['passes_s'] / on['compile_s']:.1%} "
             "of compile time"
         )
+    if warm:
+        _print_warm(rows, warm)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(rows + warm, f, indent=2)
+
+
+def _print_warm(cold: list[dict], warm: list[dict]) -> None:
+    print()
+    print("the same again in a new process against the same cache (a user's second run):")
+    print(
+        f"{'model':>10} {'passes':>6} {'first step s':>12} {'cpu s':>6} {'children cpu s':>14} {'dynamo s':>8} "
+        f"{'load s':>6} {'passes s':>8} {'cache':>16}   cold first step s"
+    )
+    for r, c in zip(warm, cold):
+        print(
+            f"{r['model']:>10} {'on' if r['passes'] else 'off':>6} {r['first_step_s']:>12.2f} "
+            f"{r['first_step_cpu_s']:>6.2f} {r['first_step_children_cpu_s']:>14.2f} {r['dynamo_s']:>8.2f} "
+            f"{r['cache_load_s']:>6.2f} {r['passes_s']:>8.3f} {r['aot_cache_hits']:>3} AOT {r['fx_cache_hits']:>2} FX   "
+            f"{c['first_step_s']:.2f}"
+        )
 
 
 if __name__ == "__main__":

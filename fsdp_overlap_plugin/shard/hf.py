@@ -56,11 +56,14 @@ _FALLBACK_LOSS = "ForCausalLM"
 
 def is_transformers_model(module: nn.Module) -> bool:
     """True for a ``transformers.PreTrainedModel`` (without importing transformers)."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
+    # ``transformers`` itself is a lazy module that other libraries import in passing
+    # (torchmetrics does, under Lightning); ``transformers.PreTrainedModel`` would then
+    # import ``modeling_utils``, 0.4 s of CPU per rank for a model that cannot be one
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:
         return False
     try:
-        return isinstance(module, transformers.PreTrainedModel)
+        return isinstance(module, modeling_utils.PreTrainedModel)
     except AttributeError:  # pragma: no cover - a partially imported transformers
         return False
 
