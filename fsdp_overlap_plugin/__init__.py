@@ -199,6 +199,11 @@ _hook = _AfterImport(
 for _old in [f for f in sys.meta_path if type(f).__module__ == __name__ and type(f).__name__ == "_AfterImport"]:
     sys.meta_path.remove(_old)  # importlib.reload(fsdp_overlap_plugin): the new hook only
 sys.meta_path.insert(0, _hook)
+# A configuration error that nothing catches is printed short and once, exit code 2
+# (report/messages.py; torch-free): from import on, as before the package was lazy.
+from .report.messages import install_excepthook  # noqa: E402
+
+install_excepthook()
 if "torch" in sys.modules:
     _after_import("torch")
 _register_ready()
