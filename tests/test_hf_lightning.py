@@ -14,7 +14,6 @@ Apart from it, the example itself runs once on 1 rank, for what it prints.
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import _hf
 import pytest
 import torch
 import torch._dynamo
-from _accelerate import launch_env, output
+from _accelerate import _launch, output
 from _dist import run_ranks
 from _lightning import rank_batches, trainer
 from torch.utils.data import DataLoader, TensorDataset
@@ -208,15 +207,9 @@ def test_the_example_prints_the_schedule_summary_once(tmp_path):
     """examples/hf_lightning.py as a user runs it (1 CPU rank here): the strategy prints
     the summary after the first step and the example only adds the losses, as
     examples/lightning_gpt.py does (it printed the summary a second time at the end)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hf_lightning.py")]
-        + ["--accelerator", "cpu", "--devices", "1", "--steps", "2", "--backend", "aot_eager"],
-        cwd=tmp_path,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    example = [sys.executable, str(ROOT / "examples" / "hf_lightning.py")]
+    proc = _launch(
+        [*example, "--accelerator", "cpu", "--devices", "1", "--steps", "2", "--backend", "aot_eager"], tmp_path, 300
     )
     text = output(proc)
     assert proc.returncode == 0, text[-4000:]

@@ -11,13 +11,12 @@ suggestion; ``fsdp-overlap check`` on the same YAML names the nearest key.
 from __future__ import annotations
 
 import inspect
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from _accelerate import launch_env, output
+from _accelerate import _launch, output
 
 from fsdp_overlap_plugin.cli import main as fsdp_overlap
 from fsdp_overlap_plugin.config.schema import OverlapConfigError
@@ -97,15 +96,7 @@ def test_torchrun_prints_a_misspelt_keyword_once(tmp_path):
     each rank printed Python's traceback (54 lines in all, 47 now: the rest is torchrun's)."""
     script = tmp_path / "train.py"
     script.write_text(TYPO_SCRIPT)
-    proc = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = _launch([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script)], tmp_path, timeout=300)
     text = output(proc)
     assert proc.returncode != 0
     assert text.count(MESSAGE) == 1, text[-6000:]

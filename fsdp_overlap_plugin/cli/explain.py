@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report.costmodel import draw_timeline, predicted, report_rates
-from ..report.schedule import hidden_comm, overlap_lines, report_predicted
+from ..report.schedule import _ms, hidden_comm, overlap_lines, report_predicted
 from .errors import CliError
 from .options import GRAPHS, rate_arg
 from .text import format_bytes, format_flops, table
@@ -117,10 +117,6 @@ def summarize_schedule(
         out.append(g)
     out.sort(key=lambda g: min(g["launches"]))
     return out
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
 
 
 def _positions(idx: list[int]) -> str:

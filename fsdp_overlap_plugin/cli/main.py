@@ -17,7 +17,7 @@ from .._version import __version__
 from ..config.hardware import HARDWARE
 from ..config.sizes import format_bytes
 from .errors import CliError
-from .options import GRAPHS, SMALL_BUCKET_BYTES, add_export_parser, add_profile_parser, rate_arg
+from .options import GRAPHS, SMALL_BUCKET_BYTES, add_export_parser, add_model_arg, add_profile_parser, rate_arg
 
 __all__ = ["build_parser", "main"]
 
@@ -83,14 +83,7 @@ def _add_predict_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="keyword argument for the model factory, or a config field for hf:, value read as YAML "
-        "(repeatable): --model-arg n_layer=48",
-    )
+    add_model_arg(p)
     p.add_argument(
         "--world",
         type=int,
@@ -158,13 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="package.module:factory (e.g. fsdp_overlap_plugin.models.gpt:gpt_1b) or hf:path/to/config.json",
     )
     p.add_argument("--config", default=None, help="a plugin, LightningCLI or Accelerate YAML: the settings now")
-    p.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="keyword argument for the model factory, or a config field for hf: (repeatable)",
-    )
+    add_model_arg(p)
     p.add_argument("--world", type=int, default=None, help="world size (default: the config's, else 8 per replica)")
     p.add_argument(
         "--memory-budget",

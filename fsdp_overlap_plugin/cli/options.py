@@ -11,7 +11,15 @@ from typing import Any
 
 from ..config.sizes import DEFAULT_MAX_SHARD_SIZE
 
-__all__ = ["GRAPHS", "PROFILE_SEQ", "SMALL_BUCKET_BYTES", "add_export_parser", "add_profile_parser", "rate_arg"]
+__all__ = [
+    "GRAPHS",
+    "PROFILE_SEQ",
+    "SMALL_BUCKET_BYTES",
+    "add_export_parser",
+    "add_model_arg",
+    "add_profile_parser",
+    "rate_arg",
+]
 
 #: Below this many bytes a bucket's fixed collective latency costs more than moving its
 #: bytes (alpha * beta with alpha ~ 20 us, beta ~ 50 GB/s; see docs/tuning.md).
@@ -37,6 +45,18 @@ def rate_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 300mbit, 1gbit, 25gb)") from None
 
 
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    """``--model-arg KEY=VALUE`` (repeatable), for every command that builds ``MODEL``."""
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the model factory, or a config field for hf:, value read as YAML "
+        "(repeatable): --model-arg n_layer=48",
+    )
+
+
 def add_export_parser(sub: Any) -> None:
     p = sub.add_parser(
         "export",
@@ -53,13 +73,7 @@ def add_export_parser(sub: Any) -> None:
         help="hf:path/to/config.json or package.module:factory: writes config.json and transformers' names "
         "(without it: the checkpoint's names, weights only)",
     )
-    p.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="keyword argument for the model factory, or a config field for hf: (repeatable)",
-    )
+    add_model_arg(p)
     p.add_argument("--prefix", default=None, help="where the model's state dict starts in the checkpoint's names")
     p.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16 | fp16 | fp32 (default: as saved)")
     p.add_argument(
@@ -102,11 +116,5 @@ def add_profile_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="parameter dtype (default fp32)")
     p.add_argument("--no-compile", action="store_true", help="time the eager model (what compile: false runs)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on cpu (default: torch's)")
-    p.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="keyword argument for the factory, or a config.json override for hf: (repeatable)",
-    )
+    add_model_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
