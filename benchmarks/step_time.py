@@ -64,6 +64,8 @@ Models (``--model``, sized by ``--model-size``, default ``small``):
                GPT's step (0.35 s each there while the machine was shared; an MLP of 688
                gave 0.94 x, 5 layers 1.10 x). Sizes medium (8 layers) and large (hidden
                384, MLP 1024, vocab 1024, 8 layers) mirror the GPT's.
+    hf-qwen2   a transformers ``Qwen2ForCausalLM`` of hf-llama's sizes, with q/k/v biases and a
+               tied head (the cost model's held-out third model)
 
 Losses agree across modes (the table's last column: the largest difference from
 fsdp2-eager over the timed steps, which see the same batches in every mode).
@@ -355,7 +357,7 @@ def print_table(summary: dict, header: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="300mbit", help="tc tbf rate on both veth ends (default 300mbit)")
-    parser.add_argument("--model", default="gpt", choices=MODELS, help="the repo GPT (default) or hf-llama")
+    parser.add_argument("--model", default="gpt", choices=MODELS, help="the repo GPT (default), hf-llama or hf-qwen2")
     parser.add_argument(
         "--model-size", default="small", choices=sorted(MODEL_SIZES), help="MODEL_SIZES / HF_LLAMA_SIZES entry"
     )

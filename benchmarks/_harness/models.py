@@ -9,7 +9,7 @@ MODEL_SIZES = {
     "medium": (256, 8, 8, 512, 128),  # 6.6M
     "large": (384, 8, 8, 1024, 128),  # 15M
 }
-MODELS = ("gpt", "hf-llama")
+MODELS = ("gpt", "hf-llama", "hf-qwen2")
 HF_LLAMA_SIZES = {
     # name: (hidden, layers, heads, kv_heads, intermediate, vocab, seq); ~parameters in the comment
     # small: the GPT small's compute (one thread: 1.00 x its compiled step, measured interleaved)
@@ -17,14 +17,18 @@ HF_LLAMA_SIZES = {
     "medium": (256, 8, 8, 4, 768, 512, 128),  # 6.6M
     "large": (384, 8, 8, 4, 1024, 1024, 128),  # 13.8M
 }
-BLOCKS = {"gpt": "blocks", "hf-llama": "model.layers"}  # container of the repeated blocks
+# hf-qwen2: a transformers Qwen2ForCausalLM of the same shapes as hf-llama, but with q/k/v
+# biases and a tied head (the embedding is also the output projection); the cost model's
+# third model, which its host terms were never fitted on (benchmarks/RESULTS.md)
+HF_QWEN2_SIZES = HF_LLAMA_SIZES
+BLOCKS = {"gpt": "blocks", "hf-llama": "model.layers", "hf-qwen2": "model.layers"}  # container of the repeated blocks
 BATCH_PER_RANK = 8
 LR = 0.05
 
 
 def model_shape(model: str, size: str) -> tuple:
     """The size's tuple for ``model`` (``MODEL_SIZES`` or ``HF_LLAMA_SIZES``)."""
-    return (MODEL_SIZES if model == "gpt" else HF_LLAMA_SIZES)[size]
+    return {"gpt": MODEL_SIZES, "hf-llama": HF_LLAMA_SIZES, "hf-qwen2": HF_QWEN2_SIZES}[model][size]
 
 
 def vocab_and_seq(model: str, size: str) -> tuple[int, int]:
@@ -36,10 +40,11 @@ def describe_model(model: str, size: str) -> str:
     if model == "gpt":
         d, layers, heads, vocab, seq = MODEL_SIZES[size]
         return f"model gpt {size} (d={d}, {layers} blocks, {heads} heads, vocab {vocab}, seq {seq}"
-    hidden, layers, heads, kv, inter, vocab, seq = HF_LLAMA_SIZES[size]
+    hidden, layers, heads, kv, inter, vocab, seq = model_shape(model, size)
+    cls, head = ("Qwen2ForCausalLM", "tied, q/k/v biases") if model == "hf-qwen2" else ("LlamaForCausalLM", "untied")
     return (
-        f"model hf-llama {size} (transformers LlamaForCausalLM, sdpa attention, hidden {hidden}, {layers} layers, "
-        f"{heads} heads / {kv} kv heads, MLP {inter}, vocab {vocab} untied, seq {seq}"
+        f"model {model} {size} (transformers {cls}, sdpa attention, hidden {hidden}, {layers} layers, "
+        f"{heads} heads / {kv} kv heads, MLP {inter}, vocab {vocab} {head}, seq {seq}"
     )
 
 
@@ -53,6 +58,8 @@ def build_model(model: str, size: str):
 
         d, layers, heads, vocab, seq = MODEL_SIZES[size]
         return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d))
+    if model == "hf-qwen2":
+        return build_hf_qwen2(*HF_QWEN2_SIZES[size])
     return build_hf_llama(*HF_LLAMA_SIZES[size])
 
 
@@ -75,6 +82,28 @@ def build_hf_llama(hidden: int, layers: int, heads: int, kv_heads: int, intermed
         attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def build_hf_qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seq: int):
+    """A transformers ``Qwen2ForCausalLM`` from a ``Qwen2Config`` (nothing downloaded), as
+    ``build_hf_llama`` but with Qwen2's q/k/v biases and a tied head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq,
+        tie_word_embeddings=True,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config)
     model.train()
     return model
 
