@@ -17,6 +17,9 @@ differ in structure on purpose:
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 VOCAB = 97
@@ -63,6 +66,67 @@ def config(family: str, **overrides):
         raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
     cls, fields = classes_and_fields[family]
     return cls(**{**fields, **overrides})
+
+
+# Per family: is the head tied to the embedding, and the names the head and the embedding
+# are stored under in a save_pretrained folder (transformers' own names on disk: GPT-NeoX's
+# head is ``lm_head`` in the model and ``embed_out`` in its files).
+TIED = {"llama": True, "qwen2": False, "gpt2": True, "mixtral": False, "neox": False}
+STORED_HEAD_AND_EMBEDDING = {
+    "llama": ("lm_head.weight", "model.embed_tokens.weight"),
+    "qwen2": ("lm_head.weight", "model.embed_tokens.weight"),
+    "gpt2": ("lm_head.weight", "transformer.wte.weight"),
+    "mixtral": ("lm_head.weight", "model.embed_tokens.weight"),
+    "neox": ("embed_out.weight", "gpt_neox.embed_in.weight"),
+}
+
+
+def stored_entries(folder: str | Path) -> dict[str, str]:
+    """``{entry: file}`` of every tensor the safetensors files of a ``save_pretrained``
+    folder hold, read from the files' own headers (never from ``config.json``, never
+    loading a tensor). Raises ``AssertionError`` when two files hold one entry, or when the
+    folder's ``model.safetensors.index.json`` names other entries or files than the headers."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, f"{folder}: no .safetensors file"
+    entries: dict[str, str] = {}
+    for path in files:
+        with open(path, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        for name in header:
+            if name == "__metadata__":
+                continue
+            assert name not in entries, f"{folder}: {name} is in both {entries[name]} and {path.name}"
+            entries[name] = path.name
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        wrong = sorted(k for k in weight_map.keys() | entries.keys() if weight_map.get(k) != entries.get(k))
+        assert not wrong, f"{index.name} disagrees with the files' headers on {wrong[:4]} ({len(wrong)} entries)"
+    return entries
+
+
+def head_storage_problems(folder: str | Path, family: str, tied: bool | None = None) -> list[str]:
+    """What is wrong with how the folder's files store the head and the embedding of a
+    ``family`` model, each problem naming the file and the entry; ``[]`` when nothing is.
+    Tied (``tied``, by default the family's ``TIED``): the embedding is stored and the head
+    is not (``from_pretrained`` ties it back; a stored copy is what transformers leaves out,
+    and would be loaded as a second tensor or silently dropped). Untied: both are stored."""
+    tied = TIED[family] if tied is None else tied
+    head, embedding = STORED_HEAD_AND_EMBEDDING[family]
+    entries = stored_entries(folder)
+    problems = []
+    if embedding not in entries:
+        problems.append(f"{folder}: no file holds the embedding {embedding}")
+    if tied and head in entries:
+        problems.append(
+            f"{folder}/{entries[head]} holds {head}, but the head is tied to {embedding}: "
+            "the files of a tied model leave the head out"
+        )
+    if not tied and head not in entries:
+        files = sorted(set(entries.values()))
+        problems.append(f"{folder}: no file holds {head} ({', '.join(files)}), and the untied head must be stored")
+    return problems
 
 
 def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

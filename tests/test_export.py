@@ -56,7 +56,10 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 # In a fresh interpreter that imports transformers and never the plugin: each folder loaded
 # with plain from_pretrained, its logits on the reference's probe and its weights compared
-# with the trained model's (reference.pt: probe, logits, full params).
+# with the trained model's (reference.pt: probe, logits, full params, the head included),
+# and whether the loaded head is the embedding's tensor. ``tie_word_embeddings`` in
+# config.json makes from_pretrained tie the head whatever the files hold, so that alone says
+# nothing about the export: check the files with ``_hf.head_storage_problems`` as well.
 _LOAD_PLAIN = """
 import json, sys
 import torch
@@ -68,11 +71,15 @@ for name, (folder, reference) in json.loads(sys.argv[1]).items():
     with torch.no_grad():
         logits = model(input_ids=ref["probe"]).logits
     state = model.state_dict()
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     out[name] = {
         "logits": (logits.float() - ref["logits"].float()).abs().max().item(),
         "same_weights": all(torch.equal(state[k], v) for k, v in ref["params"].items()),
         "dtypes": sorted({str(v.dtype) for v in state.values()}),
-        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        # the loaded head: one tensor with the embedding (tied) or its own; what the files
+        # hold is read from them by _hf.head_storage_problems, in the test's own process
+        "head_is_embedding": head is embedding,
+        "head_shares_data": head.data_ptr() == embedding.data_ptr(),
     }
 out["plugin imported"] = "fsdp_overlap_plugin" in sys.modules
 print(json.dumps(out))
@@ -112,14 +119,19 @@ def test_save_pretrained_writes_what_transformers_writes(tmp_path, family):
     for name in ("config.json", "generation_config.json"):
         ours, theirs = (json.loads((tmp_path / d / name).read_text()) for d in ("ours", "transformers"))
         assert ours == theirs, name
-    tied = {"llama": ["lm_head.weight"], "gpt2": ["lm_head.weight"]}.get(family, [])
-    assert summary["dropped"] == tied
+    assert summary["dropped"] == (["lm_head.weight"] if _hf.TIED[family] else [])
+    # what the files hold, read from them: transformers' own folder keeps the rule, ours too
+    assert _hf.head_storage_problems(tmp_path / "transformers", family) == []
+    assert _hf.head_storage_problems(tmp_path / "ours", family) == []
     if family == "mixtral":  # 4 experts' fused gate_up_proj and down_proj -> w1, w2, w3 per expert
         assert summary["tensors"] == len(model.state_dict()) + 2 * (3 * 4 - 2)
         assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in folder_tensors(tmp_path / "ours")
     reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
     ids = _hf.batches(1, 2)[0]
     assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    head, embedding = reloaded.get_output_embeddings().weight, reloaded.get_input_embeddings().weight
+    assert (head is embedding) is _hf.TIED[family]
+    assert torch.equal(head, model.get_output_embeddings().weight)  # the trained values
 
 
 def test_past_max_shard_size_the_weights_are_split_with_an_index(tmp_path):
@@ -222,6 +234,77 @@ def test_a_lightning_style_wrapper_saves_its_transformers_model(tmp_path):
     )
 
 
+# ------------------------------------------------------- the head check reads the files
+def _add_entries(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` into ``folder/file`` (beside what it holds) and into the index."""
+    from safetensors.torch import save_file
+
+    path = folder / file
+    held = load_file(path) if path.exists() else {}
+    save_file({**held, **tensors}, path, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, file))
+        index.write_text(json.dumps(data))
+
+
+def test_a_tied_head_stored_in_the_files_fails_the_head_check(tmp_path):
+    """The mutation: a tied Llama's exported folder with ``lm_head.weight`` written into its
+    files. config.json still says tied and from_pretrained still ties the head (what the old
+    check read); the check reads the files and names the file and the entry."""
+    import shutil
+
+    model = _hf.build("llama", seed=6)
+    fo.save_pretrained(model, tmp_path / "one")
+    fo.save_pretrained(model, tmp_path / "split", max_shard_size="40KB")
+    assert _hf.head_storage_problems(tmp_path / "one", "llama") == []
+    assert _hf.head_storage_problems(tmp_path / "split", "llama") == []
+    head = {"lm_head.weight": model.lm_head.weight.detach().clone()}
+
+    one = shutil.copytree(tmp_path / "one", tmp_path / "one_with_head")
+    _add_entries(one, "model.safetensors", head)
+    assert _hf.head_storage_problems(one, "llama") == [
+        f"{one}/model.safetensors holds lm_head.weight, but the head is tied to model.embed_tokens.weight: "
+        "the files of a tied model leave the head out"
+    ]
+    assert json.loads((one / "config.json").read_text())["tie_word_embeddings"] is True
+    loaded = T.AutoModelForCausalLM.from_pretrained(one)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # config.json alone cannot tell
+
+    split = shutil.copytree(tmp_path / "split", tmp_path / "split_with_head")
+    _add_entries(split, "model-extra.safetensors", head)
+    (problem,) = _hf.head_storage_problems(split, "llama")
+    assert problem.startswith(f"{split}/model-extra.safetensors holds lm_head.weight"), problem
+    # an index naming an entry no file holds is a broken folder, not a tied one
+    index = split / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["lm_head.weight"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(AssertionError, match=r"index.json disagrees with the files' headers on \['lm_head.weight'\]"):
+        _hf.stored_entries(split)
+
+
+def test_an_untied_head_missing_from_the_files_fails_the_head_check(tmp_path):
+    from safetensors.torch import save_file
+
+    model = _hf.build("qwen2", seed=6)
+    fo.save_pretrained(model, tmp_path)
+    assert _hf.head_storage_problems(tmp_path, "qwen2") == []
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert _hf.head_storage_problems(tmp_path, "qwen2") == [
+        f"{tmp_path}: no file holds lm_head.weight (model.safetensors), and the untied head must be stored"
+    ]
+    # and a tied model read as untied, or the other way round: the check follows what it is told
+    assert _hf.head_storage_problems(tmp_path, "qwen2", tied=True) == []
+    fo.save_pretrained(_hf.build("llama"), tmp_path / "llama")
+    assert _hf.head_storage_problems(tmp_path / "llama", "llama", tied=False) == [
+        f"{tmp_path / 'llama'}: no file holds lm_head.weight (model.safetensors), and the untied head must be stored"
+    ]
+
+
 # ------------------------------------------------------------------ fsdp-overlap export
 def _checkpoints(tmp_path: Path, model: nn.Module) -> dict[str, Path]:
     """The same weights in each checkpoint layout the export reads, written in one process
@@ -277,6 +360,7 @@ def test_export_reads_every_layout_into_the_in_run_files(capsys, tmp_path, check
     assert out["dropped"] == ["lm_head.weight"] and out["left_out"] == []
     assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(checkpoints["reference"]))
     assert_same_tensors(folder_tensors(tmp_path / "out"), folder_tensors(checkpoints["reference"]))
+    assert _hf.head_storage_problems(tmp_path / "out", "llama") == []
     assert (tmp_path / "out" / "config.json").read_text() == (checkpoints["reference"] / "config.json").read_text()
 
 

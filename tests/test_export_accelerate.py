@@ -8,7 +8,9 @@ first recipe raised ``Cannot flatten unevenly sharded tensor`` (97) or hung sile
 
 Every folder is then loaded by plain ``AutoModelForCausalLM.from_pretrained`` in a process
 that never imports the plugin: the logits equal the trained model's (fp32: within 1e-6;
-they come out bitwise equal here) and the weights are the trained ones, bit for bit.
+they come out bitwise equal here) and the weights are the trained ones, bit for bit; its
+files hold no ``lm_head.weight`` for a tied model and both entries for an untied one (read
+from the safetensors headers), and the loaded head is the embedding's tensor only if tied.
 ``fsdp-overlap export`` of the run's ``save_state`` folders gives the same files as the in-run
 export: ``save_state`` of this CPU launch writes Accelerate's FSDP2 layout, as on GPUs (the
 plugin's accelerator says ``distributed_type: FSDP`` on every device), and ``save_state_gpu``
@@ -23,6 +25,7 @@ import os
 import subprocess
 import time
 
+import _hf
 import pytest
 from _accelerate import ROOT, accelerate_launch, copy_yaml, output
 from test_export import assert_same_tensors, folder_tensors, load_without_plugin
@@ -32,7 +35,6 @@ pytestmark = pytest.mark.slow
 FIXTURE = ROOT / "tests" / "fixtures" / "export_accelerate.py"
 MODELS = ["llama:97:fp32", "llama:96:fp32", "qwen2:97:fp32", "llama:97:bf16"]
 RECIPES = ["get_state_dict", "save_model", "save_pretrained", "plugin"]
-TIED = {"llama": True, "qwen2": False}
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +62,21 @@ def test_get_state_dict_gives_full_cpu_tensors_on_the_main_process_only(run):
         main, other = json.loads((run["root"] / spec.replace(":", "_") / "contract.json").read_text())
         assert main["types"] == ["Tensor"] and main["devices"] == ["cpu"] and main["full_shapes"], main
         assert main["entries"] == (21 if family == "llama" else 27)
-        assert main["tied_one_tensor"] is TIED[family]  # tied names hold one tensor, as in the model
+        assert main["head"] == ("the embedding" if _hf.TIED[family] else "its own tensor"), main
         assert other["entries"] == 0  # Accelerate's FSDP2 contract: {} off the main process
 
 
 @pytest.mark.parametrize("spec", MODELS)
 def test_every_recipe_loads_with_plain_from_pretrained(run, spec):
     assert run["loaded"]["plugin imported"] is False
+    family = spec.split(":")[0]
     for recipe in RECIPES:
         got = run["loaded"][f"{spec}/{recipe}"]
-        assert got["same_weights"], (spec, recipe)
-        assert got["tied"] is TIED[spec.split(":")[0]], (spec, recipe)
+        assert got["same_weights"], (spec, recipe)  # the head's trained values included
+        # the files: a tied head left out, an untied one stored (read from the files, not config.json)
+        assert _hf.head_storage_problems(run["root"] / spec.replace(":", "_") / recipe, family) == []
+        # loaded: the head is the embedding's tensor (tied) or its own (untied)
+        assert got["head_is_embedding"] is got["head_shares_data"] is _hf.TIED[family], (spec, recipe, got)
         if spec.endswith("fp32"):
             assert got["logits"] <= 1e-6 and got["dtypes"] == ["torch.float32"], (spec, recipe, got)
         else:  # bf16 weights, bf16 compute: the same weights give the same logits up to bf16 rounding
@@ -112,6 +118,7 @@ def test_export_cli_turns_save_state_into_the_same_files(run, spec, state, tmp_p
     assert f"read   {kind}" in proc.stdout, proc.stdout
     assert "models' weights" not in proc.stdout  # one model in the folder, or its own file
     assert_same_tensors(folder_tensors(tmp_path / "out"), folder_tensors(folder / "plugin"))
+    assert _hf.head_storage_problems(tmp_path / "out", spec.split(":")[0]) == []
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config == json.loads((folder / "plugin" / "config.json").read_text())
 

@@ -80,7 +80,9 @@ def test_saved_in_the_run_loads_with_plain_from_pretrained(run):
     loaded = run["loaded"]
     assert loaded["plugin imported"] is False
     for name in ("on_train_end", "model_save_pretrained"):
-        assert loaded[name]["same_weights"] and loaded[name]["tied"], (name, loaded[name])
+        assert loaded[name]["same_weights"], (name, loaded[name])  # the head's trained values included
+        assert loaded[name]["head_is_embedding"] and loaded[name]["head_shares_data"], (name, loaded[name])
+        assert _hf.head_storage_problems(run["root"] / name, "llama") == []  # no lm_head.weight in the files
         assert loaded[name]["logits"] <= 1e-6, (name, loaded[name])
     assert_same_tensors(
         folder_tensors(run["root"] / "on_train_end"), folder_tensors(run["root"] / "model_save_pretrained")
@@ -118,6 +120,7 @@ def test_export_cli_turns_lightnings_checkpoints_into_the_in_run_files(run, chec
     kind = "Lightning sharded checkpoint" if checkpoint == "sharded.ckpt" else "torch.save file"
     assert f"read   {kind}" in proc.stdout
     exported = folder_tensors(tmp_path / "out")
+    assert _hf.head_storage_problems(tmp_path / "out", "llama") == []
     if checkpoint == "sharded.ckpt":  # the same run: the same files as its in-run export
         assert_same_tensors(exported, folder_tensors(root / "on_train_end"))
     else:  # the second run, with state_dict_type="full": its own trained weights
