@@ -2,31 +2,30 @@
 every relative link in it and in the user docs it points to resolves, and it stays short.
 
 * **Commands.** Every line of a ```bash block, and every inline code span that is a
-  command (``python ...``, ``make ...``, ``torchrun ...``, or ``fsdp-overlap`` /
-  ``accelerate`` with at least two arguments, without ``...``), must be a key of
-  ``COMMANDS``; a key the README no longer has is stale. Each one is checked here, in this
-  process, verbatim, in a directory holding the repository's ``configs/`` and ``examples/``
-  and small real files at the README's placeholder paths (``path/to/config.json`` is a
-  2-layer Llama config, ``checkpoints/step_00000100`` a real ``checkpoint.save`` folder,
-  ``my_pkg.model:build`` a small GPT, ``report.json`` the report fixture):
-  ``fsdp-overlap inspect / check / explain / export`` run to the end; ``fsdp-overlap launch``
-  runs its check and stops where it would start ``accelerate launch`` (what it would start
-  is parsed by Accelerate's parser); ``torchrun`` and ``accelerate launch`` lines are parsed
-  by their own parsers (``torch.distributed.run.get_args_parser``,
-  ``accelerate.commands.launch.launch_command_parser``), their config files read by the
-  runtime's reader, and their scripts' arguments by the script's own ``argparse``;
-  ``python examples/lightning_gpt.py ...`` runs the script's ``main`` up to
-  ``Trainer.fit``; ``make`` targets are read from the Makefile (``demo``'s recipe is
-  checked as a torchrun line). A command that trains on several ranks is also mapped to
-  the test that runs it for real (``Real``): that test must exist and name the command's
-  script and flags.
+  command (``python ...``, ``make ...``, ``torchrun ...``; ``fsdp-overlap``, ``accelerate``,
+  ``pip`` or a ``*.py`` script with at least two arguments; without ``...``) is either typed
+  as written, in a new shell, by tests/test_readme_shell.py (slow, on the newest torch of the
+  matrix; its parameters are ``run_as_written(README_COMMANDS)``, checked here), or listed in
+  ``NOT_RUN`` with why. A new README command is run by that test, or listed, or CI fails.
+  Here, quickly and on every torch, each one is also checked in this process in a directory
+  holding the repository's ``configs/`` and ``examples/`` and small real files at the
+  README's placeholder paths (``path/to/config.json`` is a 2-layer Llama config,
+  ``checkpoints/step_00000100`` a real ``checkpoint.save`` folder, ``my_pkg.model:build`` a
+  small GPT, ``report.json`` the report fixture): ``fsdp-overlap inspect / check / explain /
+  export`` run to the end; ``fsdp-overlap launch`` runs its check and stops where it would
+  start ``accelerate launch`` (what it would start is parsed by Accelerate's parser);
+  ``torchrun`` and ``accelerate launch`` lines are parsed by their own parsers, their config
+  files read by the runtime's reader, and their scripts' arguments by the script's own
+  ``argparse``; ``python examples/lightning_gpt.py ...`` runs the script's ``main`` up to
+  ``Trainer.fit``; ``make`` targets are read from the Makefile (``demo``'s recipe is checked
+  as a torchrun line, and run by test_the_demo_trains_on_2_ranks_and_its_report_explains).
 * **Code blocks.** Every ```python block must match one entry of ``PYTHON_BLOCKS``, which
   runs it on CPU in this process (a fake process group of 2 ranks where it needs one,
   ``backend: aot_eager`` for speed) or, where it needs a launcher, imports what it imports
   and names the test that runs it. ```yaml blocks are checked by ``fsdp-overlap check``,
   ```text blocks (output samples) are not run, and any other block fails.
 
-Adding a command or a block to the README without saying here what runs it fails CI.
+Adding a block to the README without saying here what runs it fails CI.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -64,7 +62,7 @@ USER_DOCS = [
     "docs/torch-versions.md",
     "docs/tuning.md",
 ]
-PROGRAMS = ("make", "python", "torchrun", "accelerate", "fsdp-overlap", "source")
+PROGRAMS = ("make", "python", "torchrun", "accelerate", "fsdp-overlap", "source", "pip")
 FIXTURE_REPORT = ROOT / "tests" / "fixtures" / "cli" / "report.json"
 
 
@@ -106,16 +104,17 @@ def inline_commands(prose: str) -> list[str]:
             argv = shlex.split(span)
         except ValueError:
             continue
-        if not argv or argv[0] not in PROGRAMS or "..." in span:
+        if not argv or not (argv[0] in PROGRAMS or argv[0].endswith(".py")) or "..." in span:
             continue
         if argv[0] in ("make", "python", "torchrun") or len(argv) >= 3:
             found.append(" ".join(argv))
     return found
 
 
-def readme_parts() -> tuple[list[str], list[tuple[str, str]]]:
-    """``(commands, [(language, body)] of the non-bash blocks)``, in README order, commands once."""
-    prose, blocks = strip_fences(README.read_text())
+def readme_parts(text: str | None = None) -> tuple[list[str], list[tuple[str, str]]]:
+    """``(commands, [(language, body)] of the non-bash blocks)`` of README.md (or ``text``),
+    in README order, commands once."""
+    prose, blocks = strip_fences(README.read_text() if text is None else text)
     commands: list[str] = []
     for lang, body in blocks:
         if lang in ("bash", "sh", "shell"):
@@ -232,125 +231,70 @@ def sandbox(tmp_path, assets, monkeypatch) -> Path:
 
 
 # ----------------------------------------------------------------------------- the commands
-@dataclasses.dataclass(frozen=True)
-class Here:
-    """Fully checked by ``check_command`` in this file."""
-
-    note: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Real:
-    """Also run for real (several ranks) by ``test``, ``file::function``; ``also`` are more
-    ``file`` or ``file::function`` sources (helpers, fixtures) where the command's script
-    and flags may be written. ``tokens`` replaces the ones read from the command, with
-    ``why``."""
-
-    test: str
-    also: tuple[str, ...] = ()
-    tokens: tuple[str, ...] | None = None
-    why: str = ""
-
-
-ACCELERATE_REAL = Real(
-    "tests/test_accelerate_launch.py::test_the_real_launch_command_and_fsdp_overlap_launch",
-    also=("tests/_accelerate.py",),
-)
-COMMANDS: dict[str, Here | Real] = {
-    "make demo": Real(
-        "tests/test_readme.py::test_the_demo_trains_on_2_ranks_and_its_report_explains",
-        tokens=("gpt_demo", "--nproc-per-node"),
-        why="a make target: the test reads the recipe (torchrun ... examples/gpt_demo.py) and runs it",
+# Every README command is typed as written, in a new shell, by
+# tests/test_readme_shell.py::test_the_readme_command_runs_in_a_new_shell: its parameters are
+# ``run_as_written(README_COMMANDS)``, and test_the_shell_test_runs_every_command_not_listed
+# fails if they stop being. The set-up line is typed before each of them. The commands it
+# does not run are in NOT_RUN, each with why; nowhere else.
+SET_UP = "source .venv/bin/activate"
+NOT_RUN: dict[str, str] = {
+    "make demo": (
+        "its prerequisite ($(STAMP)) runs pip install -e into .venv: typed in a test it would reinstall the venv "
+        "the suite runs in. Its recipe's torchrun line is run by test_the_demo_trains_on_2_ranks_and_its_report_"
+        "explains (with --backend aot_eager --report-json added)"
     ),
-    "source .venv/bin/activate": Here(
-        "the venv the Makefile makes; tests/test_readme_shell.py types every other command after it, in a new shell"
+    "make test": "runs this whole suite, the shell test included",
+    "make test-quick": "runs the quick suite, this file included",
+    "pip install -e path/to/fsdp-overlap": (
+        "a placeholder path the user fills in; it installs into the user's environment (the Makefile's install "
+        "recipe is the same pip install -e)"
     ),
-    "make test": Here("runs pytest: this file is part of what it runs"),
-    "make test-quick": Here("runs pytest -m 'not slow'"),
-    "python examples/lightning_gpt.py": Real(
-        "tests/test_lightning_trainer.py::test_plain_string_inductor_matches_core",
-        also=("tests/test_lightning_trainer.py::_plain_string", "tests/_lightning.py::trainer"),
-        tokens=('strategy="fsdp_overlap"', 'accelerator="cpu"', "devices=2"),
-        why="main() is run here up to Trainer.fit; that test fits the same Trainer settings on 2 ranks",
-    ),
-    "python examples/lightning_gpt.py fit --config configs/lightning.yaml": Real(
-        "tests/test_lightning_trainer.py::test_lightning_cli_yaml_matches_core",
-        also=("tests/test_lightning_trainer.py::_lightning_cli",),
-    ),
-    "accelerate launch --config_file configs/overlap.yaml --num_processes 2 examples/accelerate_train.py": (
-        ACCELERATE_REAL
-    ),
-    "fsdp-overlap launch --config configs/overlap.yaml --num_processes 2 examples/accelerate_train.py": (
-        ACCELERATE_REAL
-    ),
-    "accelerate launch --config_file configs/overlap.yaml --num_processes 2 examples/hf_trainer.py": Real(
-        "tests/test_hf_trainer.py::test_the_trainer_trains_through_the_plugin_and_says_so",
-        also=("tests/test_hf_trainer.py::runs", "tests/_accelerate.py"),
-        tokens=("OVERLAP_YAML", "EXAMPLE", "accelerate_launch"),
-        why="the fixture launches EXAMPLE (examples/hf_trainer.py) with configs/overlap.yaml as shipped; accelerate_launch adds --num_processes 2",
-    ),
-    "fsdp-overlap export checkpoints/step_00000100 trained/ --model hf:path/to/config.json": Here(),
-    "fsdp-overlap inspect fsdp_overlap_plugin.models.gpt:gpt_1b": Here(),
-    "fsdp-overlap inspect hf:path/to/config.json --world 8": Here(),
-    "fsdp-overlap check configs/overlap.yaml --model my_pkg.model:build": Here(),
-    "fsdp-overlap explain report.json": Here("on tests/fixtures/cli/report.json; the demo test explains a real one"),
-    "python benchmarks/gpu_check.py": Real(
-        "tests/test_gpu_check.py::test_without_cuda_a_real_run_exits_2_before_anything",
-        also=("tests/test_gpu_check.py",),
-        why="needs a CUDA GPU: parsed here; on a CPU that test runs it and sees it stop with exit 2",
+    "examples/gpt_demo.py --report-json report.json": (
+        "the demo's arguments in prose, not a command line; test_the_demo_trains_on_2_ranks_and_its_report_"
+        "explains runs the demo with --report-json and explains the report"
     ),
 }
+
+
+def run_as_written(commands: list[str]) -> list[str]:
+    """The README commands tests/test_readme_shell.py types in a new shell: all but the
+    set-up line (typed before each) and NOT_RUN."""
+    return [c for c in commands if c != SET_UP and c not in NOT_RUN]
+
+
 README_COMMANDS, README_BLOCKS = readme_parts()
 
 
-def test_every_readme_command_is_accounted_for():
-    missing = [c for c in README_COMMANDS if c not in COMMANDS]
-    assert missing == [], (
-        f"README commands no test accounts for: {missing}. Add each to COMMANDS in tests/test_readme.py "
-        "(checked here, and the test that runs it for real if it trains)"
-    )
-    stale = [c for c in COMMANDS if c not in README_COMMANDS]
-    assert stale == [], f"COMMANDS entries no longer in README.md: {stale}"
+def test_every_readme_command_is_run_as_written_or_listed_as_not_run():
+    assert SET_UP in README_COMMANDS, f"the README no longer says {SET_UP!r}"
+    assert run_as_written(README_COMMANDS), "nothing to run"
+    stale = [c for c in NOT_RUN if c not in README_COMMANDS]
+    assert stale == [], f"NOT_RUN entries no longer in README.md: {stale}"
 
 
-def _function_source(spec: str) -> str:
-    file, _, name = spec.partition("::")
-    text = (ROOT / file).read_text()
-    if not name:
-        return text
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
-            return ast.get_source_segment(text, node) or ""
-    raise AssertionError(f"{spec}: no function {name} in {file}")
+def test_a_new_readme_command_is_typed_in_a_new_shell_unless_listed():
+    """What a README edit adds, in a bash block or in prose, lands in the shell test's list."""
+    added = "\n```bash\nfsdp-overlap explain other.json --json\n```\n\nOr `python examples/new.py --fast`.\n"
+    commands, _ = readme_parts(README.read_text() + added)
+    assert sorted(set(run_as_written(commands)) - set(run_as_written(README_COMMANDS))) == [
+        "fsdp-overlap explain other.json --json",
+        "python examples/new.py --fast",
+    ]
 
 
-def _tokens(command: str) -> list[str]:
-    """What a test running ``command`` must write: its scripts (by stem) and file arguments,
-    its flags, and its subcommands."""
-    argv = shlex.split(command)
-    out = []
-    for arg in argv[1:]:
-        if arg.endswith(".py"):
-            out.append(Path(arg).stem)
-        elif arg.startswith("-"):
-            out.append(arg.split("=")[0])
-        elif "/" in arg or re.fullmatch(r"[a-z][\w-]*", arg):
-            out.append(arg)
-    return out
+def test_the_shell_test_runs_every_command_not_listed(tmp_path, monkeypatch):
+    """The slow shell test's parameters are ``run_as_written``'s, it carries no skip or xfail
+    mark, and it types the set-up line before each command."""
+    import test_readme_shell as shell
 
-
-@pytest.mark.parametrize("command", [c for c in COMMANDS if isinstance(COMMANDS[c], Real)])
-def test_the_test_that_runs_it_exists_and_runs_it(command):
-    real = COMMANDS[command]
-    assert isinstance(real, Real)
-    file, _, name = real.test.partition("::")
-    assert name.startswith("test_"), real.test
-    sources = "\n".join(_function_source(spec) for spec in (real.test, *real.also))
-    tokens = real.tokens if real.tokens is not None else _tokens(command)
-    if real.tokens is not None:
-        assert real.why, f"{command}: tokens given without saying why"
-    absent = [t for t in tokens if t not in sources]
-    assert absent == [], f"{real.test} (and {real.also}) never write {absent} of: {command}"
+    runs = shell.test_the_readme_command_runs_in_a_new_shell
+    marks = {mark.name: mark for mark in runs.pytestmark}
+    assert set(marks) == {"slow", "newest_torch", "parametrize"}, sorted(marks)
+    assert marks["parametrize"].args == ("command", run_as_written(README_COMMANDS))
+    typed = []
+    monkeypatch.setattr(shell.subprocess, "run", lambda argv, **kw: typed.append(argv))
+    shell.new_shell("fsdp-overlap --version", tmp_path)
+    assert typed == [["/bin/bash", "--noprofile", "--norc", "-c", f"{SET_UP} && fsdp-overlap --version"]]
 
 
 # --- how each program's line is checked
@@ -437,6 +381,16 @@ def check_make(argv: list[str]) -> None:
         assert any("-m pytest" in line for line in recipe), recipe
 
 
+def check_pip(argv: list[str]) -> None:
+    """``pip install -e path/to/fsdp-overlap``: an editable install of the clone's folder, a
+    project pip can build (a build backend, the package, and the ``hf`` extra the README
+    adds as ``'path/to/fsdp-overlap[hf]'``)."""
+    assert argv[:3] == ["pip", "install", "-e"] and argv[3] == "path/to/fsdp-overlap", argv
+    pyproject = (ROOT / "pyproject.toml").read_text()  # tomllib is 3.11+, the project 3.10+
+    for line in ('build-backend = "', 'name = "fsdp-overlap-plugin"', "\nhf = ["):
+        assert line in pyproject, f"pyproject.toml has no {line.strip()!r}"
+
+
 def check_activate(argv: list[str]) -> None:
     """``source .venv/bin/activate``: the Makefile's venv, and a venv's activation script."""
     assert re.search(r"^VENV +:= +\.venv$", (ROOT / "Makefile").read_text(), flags=re.M), "the Makefile's venv moved"
@@ -497,19 +451,29 @@ def check_export(folder: Path, result: dict) -> None:
     import transformers
 
     assert folder.is_dir(), result
+    import _hf
+
+    assert _hf.head_storage_problems(folder, "llama") == []  # the files: no lm_head.weight (tied)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     saved = torch.load(Path("checkpoints").resolve().parent / "weights.pt")
     state = model.state_dict()
     for key, value in saved.items():
         assert torch.equal(state[key], value), key
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("command", README_COMMANDS)
 def test_readme_command_works(command, sandbox, capsys, monkeypatch):
-    assert command in COMMANDS, f"{command}: not in COMMANDS (see test_every_readme_command_is_accounted_for)"
+    """Quick, on every torch of the matrix, in this process: each command's arguments as its
+    program parses them, the files it reads, and what the fsdp-overlap commands print. Not
+    proof that it runs in a shell as typed (test_readme_shell.py is), nor of a NOT_RUN one."""
     argv = shlex.split(command)
     program = argv[0]
-    if program == "make":
+    if program.endswith(".py"):  # a script's arguments, in prose
+        parse_script(program, argv[1:])
+    elif program == "pip":
+        check_pip(argv)
+    elif program == "make":
         check_make(argv)
     elif program == "source":
         check_activate(argv)
@@ -657,9 +621,22 @@ def run_export(code: str, monkeypatch, capsys) -> None:
 
     model = _hf.build("llama", seed=5)
     _run(code, {"fo": fo, "model": model})
+    assert _hf.head_storage_problems("trained", "llama") == []  # the files: no lm_head.weight (tied)
     loaded = transformers.AutoModelForCausalLM.from_pretrained("trained/")
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def _function_source(spec: str) -> str:
+    file, _, name = spec.partition("::")
+    text = (ROOT / file).read_text()
+    if not name:
+        return text
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return ast.get_source_segment(text, node) or ""
+    raise AssertionError(f"{spec}: no function {name} in {file}")
 
 
 def imports_only(real: str) -> Callable:

@@ -1,17 +1,18 @@
 """README.md's commands as a new user types them: in a new shell (nothing inherited but HOME
 and the system's PATH), after the README's own set-up line, verbatim.
 
-tests/test_readme.py checks each command inside this process (its arguments, the files it
-reads) and names the test that trains with it; it cannot see what a new shell does with the
-command. Without the set-up line a new shell answers the README's commands with
-"No module named 'torch'" and "command not found"; with it, each must run as written.
+tests/test_readme.py says which README commands these are (``run_as_written``: every command
+of the README's bash blocks and prose but the set-up line and its ``NOT_RUN`` table, each
+entry with why) and checks, quickly, that this file's parameters are that list; it also
+checks each command inside its own process (its arguments, the files it reads), which
+cannot see what a new shell does with it. Without the set-up line a new shell answers the
+README's commands with "No module named 'torch'" and "command not found"; with it, each
+must run as written.
 
 * quick: the README's ``source`` line makes ``python``, ``fsdp-overlap``, ``accelerate`` and
   ``torchrun`` the venv's, and the plugin and the frameworks import there;
-* slow (in CI on the newest torch of the matrix): every command of the README's bash blocks
-  but ``make ...`` (those build the venv this runs in and run this suite; ``make demo``'s
-  recipe is run by tests/test_readme.py::test_the_demo_trains_on_2_ranks_and_its_report_explains)
-  runs to the end in a new shell, in a folder holding the repository's configs/, examples/,
+* slow (in CI on the newest torch of the matrix): every command of ``run_as_written`` runs
+  to the end in a new shell, in a folder holding the repository's configs/, examples/,
   benchmarks/ and the README's placeholder files (tests/test_readme.py's ``assets``). A
   training must end with exit code 0 and print the schedule summary once; ``gpu_check.py``
   must stop with exit code 2 and its message on a machine with no CUDA GPU.
@@ -30,34 +31,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _hf
 import pytest
+import torch
 from _dist import NATIVE_CRASHES, count_crash, raise_on_launcher_crash
-from test_readme import README, ROOT, assets, bash_lines, strip_fences  # noqa: F401  (assets: a fixture)
+from test_readme import README_COMMANDS, ROOT, SET_UP, assets, run_as_written  # noqa: F401  (assets: a fixture)
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # what a test run passes on to the shell besides HOME: one thread per rank on CI's 2 cores,
 # faulthandler dumps for the crash policy, no hub access; the runner's caches and crash log
 PASSED_ON = ("TORCHINDUCTOR_CACHE_DIR", "FSDP_OVERLAP_CRASH_LOG", "TMPDIR")
-
-
-def readme_bash_commands() -> list[str]:
-    _, blocks = strip_fences(README.read_text())
-    commands = []
-    for lang, body in blocks:
-        if lang in ("bash", "sh", "shell"):
-            commands += bash_lines(body)
-    return list(dict.fromkeys(commands))
-
-
-COMMANDS = readme_bash_commands()
-SET_UP = [c for c in COMMANDS if c.startswith("source ")]
-RUN_HERE = [c for c in COMMANDS if not c.startswith(("source ", "make "))]
+RUN_HERE = run_as_written(README_COMMANDS)
 
 
 def test_the_readme_says_how_a_new_shell_finds_the_commands():
-    assert SET_UP == ["source .venv/bin/activate"], SET_UP
-    assert COMMANDS.index(SET_UP[0]) < min(COMMANDS.index(c) for c in RUN_HERE), "activate before the first command"
-    assert RUN_HERE, "nothing to run"
+    assert README_COMMANDS.index(SET_UP) < min(README_COMMANDS.index(c) for c in RUN_HERE), (
+        "activate before the first command"
+    )
 
 
 def shell_env() -> dict[str, str]:
@@ -82,7 +72,7 @@ def venv_folder(folder: Path) -> None:
 
 def new_shell(command: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """``command`` typed into a new bash after the README's set-up line."""
-    script = f"{SET_UP[0]} && {command}"
+    script = f"{SET_UP} && {command}"
     return subprocess.run(
         ["/bin/bash", "--noprofile", "--norc", "-c", script],
         cwd=cwd,
@@ -143,7 +133,7 @@ def test_the_readme_command_runs_in_a_new_shell(command, folder):
         raise AssertionError(f"killed by {signal.Signals(-done.returncode).name}\n{failure}")
     raise_on_launcher_crash(text, failure, what=command)
     assert "command not found" not in text and "No module named" not in text, failure
-    if command == "python benchmarks/gpu_check.py":  # on a machine without CUDA: its refusal
+    if command == "python benchmarks/gpu_check.py" and not torch.cuda.is_available():  # its refusal
         assert done.returncode == 2 and "no CUDA GPU is visible" in done.stderr, failure
         return
     assert done.returncode == 0, failure
@@ -151,8 +141,9 @@ def test_the_readme_command_runs_in_a_new_shell(command, folder):
     if _trains(command):
         summaries = re.findall(r"^fsdp-overlap summary: 2 ranks, .*both passes on$", text, flags=re.M)
         assert len(summaries) == 1, f"{len(summaries)} summaries\n{failure}"
-    if command.startswith("fsdp-overlap export "):
+    if command.startswith("fsdp-overlap export "):  # the assets' tied Llama: no lm_head.weight in the files
         assert (folder / shlex.split(command)[3] / "config.json").is_file(), failure
+        assert _hf.head_storage_problems(folder / shlex.split(command)[3], "llama") == [], failure
     # what it wrote, typed in the clone's folder, is what .gitignore leaves out
     written = sorted({entry.name for entry in folder.iterdir()} - before)
     shown = [name for name in written if not ignored_in_the_clone(name)]
