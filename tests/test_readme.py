@@ -239,9 +239,9 @@ def sandbox(tmp_path, assets, monkeypatch) -> Path:
 SET_UP = "source .venv/bin/activate"
 NOT_RUN: dict[str, str] = {
     "make demo": (
-        "its prerequisite ($(STAMP)) runs pip install -e into .venv: typed in a test it would reinstall the venv "
-        "the suite runs in. Its recipe's torchrun line is run by test_the_demo_trains_on_2_ranks_and_its_report_"
-        "explains (with --backend aot_eager --report-json added)"
+        "its prerequisite $(STAMP) runs pip install -e into .venv: typed in a test it would reinstall the venv the "
+        "suite runs in (unless a fresh stamp were faked). Its recipe's torchrun line is run by test_the_demo_trains_"
+        "on_2_ranks_and_its_report_explains, with --backend aot_eager --report-json added: one 2-rank run, not two"
     ),
     "make test": "runs this whole suite, the shell test included",
     "make test-quick": "runs the quick suite, this file included",
