@@ -18,7 +18,14 @@ from .shard import hf
 from .shard.activation_checkpointing import apply_activation_checkpointing
 from .shard.export import install_save_pretrained
 from .shard.preflight import preflight
-from .shard.sharding import build_gather_group, build_mesh, fully_shard_plan, model_gather, shard_parameters
+from .shard.sharding import (
+    build_gather_group,
+    build_mesh,
+    fully_shard_plan,
+    model_gather,
+    pin_mesh_hash,
+    shard_parameters,
+)
 from .shard.takeover import AfterPrepare, compile_notes_line, uncompiled
 
 __all__ = ["parallelize", "pop_compile_notes", "take_over_compiled", "unbucketed_parameters"]
@@ -34,6 +41,13 @@ install_excepthook()
 # Counts the models prepared in this process. Every rank prepares the same models in the
 # same order, so it tells apart the rank-agreement rounds of two models with one config.
 _INSTANCES = itertools.count()
+# An HSDP mesh hashed before parallelize keeps its per-process hash (shard.sharding.pin_mesh_hash):
+# the compiled graphs' cache keys carry it, so a new process never finds them in the cache.
+_UNPINNED_MESH = (
+    "compile cache: the 2-D mesh was hashed before parallelize (its hash differs in every process, "
+    "and inductor's cache keys carry it), so a new process compiles again instead of loading the "
+    "compile cache; pass the mesh sizes (mesh={'replicate': R, 'shard': S}) to let the plugin build it"
+)
 
 
 def parameter_entries(model: nn.Module, plan: list[list[str]]) -> dict[str, int | None]:
@@ -115,6 +129,7 @@ def parallelize(
     elif mesh.ndim not in (1, 2):
         raise OverlapConfigError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D.")
     device_type = mesh.device_type
+    hash_pinned = pin_mesh_hash(mesh)  # a mesh of ours is pinned already; one given may not be
     if devices.backend_for(device_type) == "gloo":
         devices.settle_gloo_workers_at_exit()  # a torch bug at exit (its docstring)
     if device_type != "cpu" and not _on_meta(model):
@@ -135,6 +150,8 @@ def parallelize(
         param_entries=entries,
     )
     state.adjustments.extend(pop_compile_notes(model) + checked.notes)
+    if not hash_pinned and mesh.ndim == 2 and config.compile:
+        state.adjustments.append(_UNPINNED_MESH)
     state.reduce_scatter_impl, state.reduce_scatter_reason = devices.reduce_scatter_choice(
         config.reduce_scatter_impl,
         devices.backend_for(device_type),

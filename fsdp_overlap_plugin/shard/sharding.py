@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 import warnings
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ __all__ = [
     "row_range",
     "build_gather_group",
     "build_mesh",
+    "pin_mesh_hash",
     "fully_shard_plan",
     "gather_disabled",
     "is_sharded",
@@ -132,8 +134,40 @@ def build_mesh(config: OverlapConfig, device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
     replicate, shard = config.mesh.sizes(world)
     if replicate == 1:
-        return init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD_DIM_NAME,))
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE_DIM_NAME, SHARD_DIM_NAME))
+        mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD_DIM_NAME,))
+    else:
+        mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE_DIM_NAME, SHARD_DIM_NAME))
+    pin_mesh_hash(mesh)  # before anything hashes it
+    return mesh
+
+
+def pin_mesh_hash(mesh: DeviceMesh) -> bool:
+    """Give ``mesh`` a hash that is the same in every process (a digest of its device
+    type, dimension names and ranks); False where it was hashed already, and is left so.
+
+    Why: on an HSDP mesh the compiled graphs take the 2-D mesh and its shard submesh as
+    inputs (``_Gather._gather_hsdp``), and inductor's FX graph and AOT autograd cache keys
+    pickle each such mesh whole (torch 2.13: ``FxGraphCachePickler``
+    ``_reduce_fake_script_object``), ``_hash`` included: the ``hash()`` DeviceMesh caches
+    the first time it is hashed (a ``DTensorSpec`` hashes it), over a tuple of strings,
+    so salted per process (PYTHONHASHSEED). Every new process then got new cache keys and
+    an HSDP job never loaded its graphs from the cache (a flat mesh is no graph input).
+    The pinned value keeps ``hash``'s contract: equal meshes have equal device types,
+    names and rank tensors, so equal pinned hashes. A mesh already hashed may key a dict
+    or a cached spec hash somewhere: changing it then could break a lookup, so it is left
+    as it is (its graphs then miss a warm cache)."""
+    pinned = _stable_mesh_hash(mesh)
+    current = getattr(mesh, "_hash", None)
+    if current is not None and current != pinned:
+        return False
+    mesh._hash = pinned  # DeviceMesh.__hash__ returns a cached value as it is
+    return True
+
+
+def _stable_mesh_hash(mesh: DeviceMesh) -> int:
+    key = repr((mesh.device_type, mesh.mesh_dim_names, mesh.mesh.tolist()))
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 1) or 1  # non-zero: DeviceMesh recomputes a falsy cache
 
 
 def build_gather_group(mesh: DeviceMesh) -> str:
@@ -161,6 +195,7 @@ class _Gather:
         self.compute = tuple(Replicate() for _ in range(mesh.ndim))
         self.grad = tuple(Partial("avg") for _ in range(mesh.ndim))
         self.shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
+        pin_mesh_hash(self.shard_mesh)  # a new object: a graph input on HSDP (pin_mesh_hash)
         # HSDP: False while accumulating (runtime/accumulation.py): the traced backward leaves the
         # replica all-reduce out. Dynamo guards on it, so each value has its own graph.
         self.all_reduce = True
