@@ -277,6 +277,18 @@ def default_store() -> Any:
     return _get_default_store()
 
 
+def mesh_cached_hash(mesh: Any) -> int | None:
+    """The hash ``DeviceMesh`` cached the first time it was hashed (its private ``_hash``),
+    or None before that (or on a torch that caches no hash)."""
+    return getattr(mesh, "_hash", None)
+
+
+def set_mesh_cached_hash(mesh: Any, value: int) -> None:
+    """Set the hash ``DeviceMesh.__hash__`` returns (it returns its cached ``_hash`` as it
+    is): shard.sharding.pin_mesh_hash gives it a value that is the same in every process."""
+    mesh._hash = value
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward pass ends
     (``torch.autograd.Variable._execution_engine.queue_callback``)."""

@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import compiler_disable, fx_annotate
+from .._torch_compat import compiler_disable, fx_annotate, mesh_cached_hash, set_mesh_cached_hash
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..contract import PARAM_KEY
 
@@ -157,10 +157,10 @@ def pin_mesh_hash(mesh: DeviceMesh) -> bool:
     or a cached spec hash somewhere: changing it then could break a lookup, so it is left
     as it is (its graphs then miss a warm cache)."""
     pinned = _stable_mesh_hash(mesh)
-    current = getattr(mesh, "_hash", None)
+    current = mesh_cached_hash(mesh)
     if current is not None and current != pinned:
         return False
-    mesh._hash = pinned  # DeviceMesh.__hash__ returns a cached value as it is
+    set_mesh_cached_hash(mesh, pinned)
     return True
 
 
