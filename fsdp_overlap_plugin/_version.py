@@ -75,9 +75,13 @@ def torch_supported(version: str) -> bool:
 
 
 def check_torch_version() -> None:
-    """Warn (once, at import) when torch is outside the supported range."""
-    from ._torch_compat import TORCH_VERSION
+    """Warn (once, at import) when torch is outside the supported range. Reads
+    ``torch.__version__`` itself: this runs just after torch's import finishes, which may be
+    from inside ``_torch_compat``'s own import (importing it imports torch), so that module
+    is only half there."""
+    import torch
 
+    TORCH_VERSION = torch.__version__
     if not torch_supported(TORCH_VERSION):
         warnings.warn(
             f"fsdp-overlap {__version__} supports {supported_range()} (the releases CI tests); found torch "

@@ -228,6 +228,16 @@ def test_an_unsupported_torch_warns_once_torch_is_imported():
     assert "WARNED" in result.stdout
 
 
+@pytest.mark.parametrize("module", ["_torch_compat"])
+def test_a_submodule_imported_first_imports_cleanly(module):
+    """Importing a submodule that imports torch, with nothing imported before: the torch
+    version check runs while that module is half-imported (it imported torch), so it must
+    not import from it (it did: an ImportError, which every later uncaught error then
+    printed as "Error in sys.excepthook")."""
+    result = _python("-c", f"import fsdp_overlap_plugin.{module}; raise SystemExit(3)")
+    assert result.returncode == 3 and result.stderr == "", result.stderr
+
+
 def test_the_version_is_after_the_0_1_the_docs_speak_of():
     """The docs compare with "0.1" as an earlier release (``(0.1: 20 -> 20)``); the package
     is the unreleased work after it (CHANGELOG's [Unreleased]), so it must not say 0.1.x."""
