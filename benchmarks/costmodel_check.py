@@ -74,12 +74,16 @@ SEND_FIRST = 2.0
 FITTED = ("latency", "contention")
 GRID = {"latency": [i * 0.25e-3 for i in range(25)], "contention": [i * 0.25 for i in range(49)]}
 # What the check claims, in one place (printed by the script, quoted by benchmarks/RESULTS.md,
-# asserted by tests/test_costmodel_bench.py): each row's |predicted / measured - 1| within its
-# mode's bound, and the mean over each set's rows within "mean".
-BOUNDS = {
-    "in-sample": {"mean": 0.10, "fsdp2-eager": 0.10, "compiled": 0.30, "both": 0.10, "both+prefetch-2": 0.10},
-    "held-out": {"mean": 0.10, "fsdp2-eager": 0.10, "compiled": 0.30, "both": 0.10, "both+prefetch-2": 0.10},
-}
+# asserted by tests/test_costmodel_bench.py), the same for the in-sample and the held-out
+# runs: each CPU row's |predicted / measured - 1| within "row" ("compiled" for that mode: one
+# collective per parameter, which at 100 Mbit measures faster than the model plays it), each
+# set's mean within "mean". Set on the in-sample runs (and the 200 Mbit ones), before the
+# hf-qwen2 run was measured.
+BOUNDS = {"row": 0.12, "compiled": 0.25, "mean": 0.06}
+# The table benchmarks/RESULTS.md shows (--json): tests/test_costmodel_bench.py holds each
+# row's prediction to it within PIN, which sees the terms too small for BOUNDS to see.
+TABLE = DATA / "table.json"
+PIN = 0.02
 # The rates the cpu predictions used before issue 42's calibration (the tc rate as the link,
 # one core's rough compute, no host terms): the table's "before" column.
 ROUGH = {"flops": 5e10, "mem": 1e10}
@@ -226,7 +230,7 @@ def rows_for(runs: list[dict], which: str, terms: dict) -> list[dict]:
                     "measured": measured,
                     "predicted": pred[mode],
                     "error": pred[mode] / measured - 1,
-                    "bound": BOUNDS[which][mode],
+                    "bound": BOUNDS["compiled"] if mode == "compiled" else BOUNDS["row"],
                     "own_link_predicted": own[mode],
                     "uncalibrated": play(run["graphs"][mode], rough),
                 }
@@ -241,11 +245,11 @@ def check(table: list[dict]) -> list[str]:
         for row in table
         if "bound" in row and abs(row["error"]) > row["bound"]
     ]
-    for which, bounds in BOUNDS.items():
+    for which in ("in-sample", "held-out"):
         errors = [abs(row["error"]) for row in table if row["set"] == which]
-        if errors and statistics.fmean(errors) > bounds["mean"]:
+        if errors and statistics.fmean(errors) > BOUNDS["mean"]:
             failures.append(
-                f"{which}: mean |error| {statistics.fmean(errors) * 100:.1f}% over {bounds['mean'] * 100:.0f}%"
+                f"{which}: mean |error| {statistics.fmean(errors) * 100:.1f}% over {BOUNDS['mean'] * 100:.0f}%"
             )
     return failures
 
@@ -318,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         f"measured: link factor {terms['link_factor']:.3f} (the in-sample replays' mean); "
         f"fixed: send-first collectives x{terms['send_first']:.2f}"
     )
-    print("bounds (|predicted / measured - 1|): " + "; ".join(f"{k} {v}" for k, v in BOUNDS.items()))
+    print(
+        f"bounds, in-sample and held-out alike: each row's |predicted / measured - 1| <= {BOUNDS['row'] * 100:.0f}% "
+        f"({BOUNDS['compiled'] * 100:.0f}% for compiled), "
+        f"each set's mean <= {BOUNDS['mean'] * 100:.0f}%"
+    )
     for run in in_sample + held_out:
         print(
             f"{run['label']}: compute-only {run['compute_s']:.3f} s (min {run['compute_min_s']:.3f}) -> {run['flops_per_s']:.3g} FLOP/s"
