@@ -308,12 +308,22 @@ def main(argv: list[str] | None = None) -> int:
         in_sample, held_out = stored()
     if args.fit:
         terms, objective = fit(in_sample)
-        edges = [name for name in FITTED if terms[name] in (GRID[name][0], GRID[name][-1])]
+        best = (terms["latency"], terms["contention"])
+        upper = [name for name in FITTED if terms[name] == GRID[name][-1]]
+        floor = [name for name in FITTED if terms[name] == GRID[name][0] == 0.0]
         print(
-            f"fitted on {len(in_sample)} in-sample runs: mean |error| {objective[(terms['latency'], terms['contention'])] * 100:.2f}% "
-            f"over the grid latency 0-{GRID['latency'][-1] * 1e3:.0f} ms, contention 0-{GRID['contention'][-1]:.0f}"
-            + (f"; ON THE GRID'S EDGE: {', '.join(edges)}" if edges else "")
+            f"fitted on {len(in_sample)} in-sample runs: mean |error| {objective[best] * 100:.2f}% over the grid "
+            f"latency 0-{GRID['latency'][-1] * 1e3:.0f} ms, contention 0-{GRID['contention'][-1]:.0f}"
+            + (f"; ON THE GRID'S UPPER EDGE (widen it): {', '.join(upper)}" if upper else "")
+            + (f"; at 0, the floor of: {', '.join(floor)} (no less than none)" if floor else "")
         )
+        for i, name in enumerate(FITTED):  # the objective through the fit, along each term
+            along = []
+            for value in GRID[name][:: max(1, len(GRID[name]) // 12)]:
+                point = list(best)
+                point[i] = value
+                along.append(f"{value * (1e3 if name == 'latency' else 1):g}: {objective[tuple(point)] * 100:.1f}%")
+            print(f"  mean |error| along {name}{' (ms)' if name == 'latency' else ''}: " + ", ".join(along))
     else:
         terms = {**HOST, "link_factor": link_factor(in_sample)}
     print(
