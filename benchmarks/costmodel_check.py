@@ -260,7 +260,7 @@ def validate(in_sample: list[dict], held_out: list[dict], terms: dict) -> list[d
 
 def stored() -> tuple[list[dict], list[dict]]:
     """The runs kept in the repo, in-sample and held-out (a held-out run not measured yet is
-    left out, and said so)."""
+    left out: main says which)."""
     missing = [name for name in IN_SAMPLE if not (DATA / f"{name}.json").exists()]
     if missing:
         raise SystemExit(f"costmodel_check: {DATA} lacks in-sample runs {', '.join(missing)}")
@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         in_sample, held_out = [load_run(p) for p in args.runs], [load_run(p) for p in args.held_out]
     else:
         in_sample, held_out = stored()
+        absent = [name for name in HELD_OUT if not (DATA / f"{name}.json").exists()]
+        if absent:
+            print(f"held-out runs not measured yet (no file in {DATA.relative_to(REPO)}): {', '.join(absent)}")
     if args.fit:
         terms, objective = fit(in_sample)
         best = (terms["latency"], terms["contention"])
