@@ -83,7 +83,7 @@ BOUNDS = {"row": 0.12, "compiled": 0.25, "mean": 0.06}
 # The table benchmarks/RESULTS.md shows (--json): tests/test_costmodel_bench.py holds each
 # row's prediction to it within PIN, which sees the terms too small for BOUNDS to see.
 TABLE = DATA / "table.json"
-PIN = 0.02
+PIN = 0.005  # the predictions are deterministic: 0.5% still leaves room for float noise
 # The rates the cpu predictions used before issue 42's calibration (the tc rate as the link,
 # one core's rough compute, no host terms): the table's "before" column.
 ROUGH = {"flops": 5e10, "mem": 1e10}

@@ -64,7 +64,7 @@ def test_headline_of_a_real_run(llama_report):
     assert (report["cost_model"]["device_type"], report["cost_model"]["preset"]) == ("cpu", "cpu-gloo-300mbit")
     assert (
         "rates assumed (cpu default cpu-gloo-300mbit, not measured here; set hardware or compute_profile): "
-        "76 GFLOP/s compute, 0.425 Gbit/s link per rank"
+        "76 GFLOP/s compute, 0.413 Gbit/s link per rank"
     ) in head
     # a tiny model computes far less than it communicates: the summary says why little hides
     compute = sum(p["after"]["compute_s"] for p in pred.values())

@@ -139,16 +139,17 @@ HARDWARE: dict[str, Hardware] = {
             "cpu-gloo-300mbit",
             "2 CPU ranks on gloo over the 300 Mbit/s link of benchmarks/step_time.py",
             "cpu",
-            link=425e6 / 8,
-            link_source="measured: the benchmark's 300 Mbit/s tc link as its comm-only replay moves queued "
-            "collectives (both directions busy): 425 Mbit/s in this model's one link lane; a send-first collective "
-            "alone takes twice as long (send_first 2)",
+            link=413e6 / 8,
+            link_source="measured: the benchmark's 300 Mbit/s tc link as its comm-only replays move queued "
+            "collectives (both directions busy): 413 Mbit/s in this model's one link lane (1.377 x the tc rate, "
+            "benchmarks/costmodel_check.py's in-sample runs); a send-first collective alone takes twice as long "
+            "(send_first 2)",
             flops=7.6e10,
             flops_source="measured: the benchmark GPT's compiled step on one thread of the 2-vCPU development "
             "machine (step_time.py's compute-only; measure your own with fsdp-overlap profile)",
             mem=_PROFILE_MEM,
-            latency=2e-3,
-            contention=5.0,
+            latency=0.5e-3,
+            contention=3.25,
             send_first=2.0,
         ),
     )
@@ -288,7 +289,11 @@ def resolve_rates(device_type: str | None, hardware: Any = None, profile: str | 
         "mem": f"{name} ({chosen})",
         "latency": f"{name} ({chosen})",
         "contention": f"{name} ({chosen})"
-        + (": fitted on benchmarks/step_time.py's GPT run, benchmarks/costmodel_check.py" if hw.contention else ""),
+        + (
+            ": fitted on four benchmarks/step_time.py runs (GPT and transformers Llama, 300 and 100 Mbit), benchmarks/costmodel_check.py"
+            if hw.contention
+            else ""
+        ),
         "send_first": f"{name} ({chosen})",
     }
     own = [k for k in _RATE_KEYS if k in spec]
