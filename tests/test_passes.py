@@ -496,6 +496,52 @@ def test_hsdp_all_reduce_stays_after_its_wait():
     assert names.index(ar.name) < names.index(ar_wait.name)
 
 
+def _hsdp_backward(params_per_block: tuple[int, ...]) -> fx.GraphModule:
+    """A backward over ``blocks.b`` (in reverse) with ``params_per_block[b]`` weights each;
+    every weight gradient is reduce-scattered, then all-reduced over the replicas (HSDP)."""
+    g = GraphBuilder()
+    grad = g.placeholder("tangents_1", (4, 8))
+    outputs = []
+    for b in reversed(range(len(params_per_block))):
+        for p in range(params_per_block[b]):
+            module = f"blocks.{b}.lin{p}"
+            act = g.placeholder(f"act_{b}_{p}", (4, 8))
+            grad_w = g.call(aten.mm.default, g.call(aten.t.default, grad), act, module=module, backward=True)
+            grad = g.call(aten.mm.default, grad, g.placeholder(f"w_{b}_{p}", (8, 8)), module=module, backward=True)
+            reduced = g.reduce_scatter(grad_w, module)
+            ar = g.call(C10D.all_reduce.default, reduced, "avg", "replicate", module=module, backward=True)
+            outputs.append(g.call(C10D.wait_tensor.default, ar, module=module, backward=True))
+    return g.finish([*outputs, grad])
+
+
+@pytest.mark.parametrize("params_per_block", [(1, 2, 2, 1), (2, 2, 2, 2), (1, 1, 1)])
+def test_hsdp_every_replica_all_reduce_but_the_last_is_waited_after_the_next_launch(params_per_block):
+    """A bucket with one parameter (an embedding alone, a tied weight's bucket) has no
+    all-reduces to merge; its all-reduce is deferred like a merged one (it was left
+    waited at once, and so was the one before it: 1 of 4 for a tied Llama)."""
+    gm = _hsdp_backward(params_per_block)
+    before = copy.deepcopy(gm)
+    buckets = len(params_per_block)
+    stats = manual_bucketing(gm, [f"blocks.{b}" for b in range(buckets)])
+    assert stats["merged_all_reduces"] == buckets
+    assert stats["deferred_ar_waits"] == buckets - 1
+    nodes = list(gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    reduces = [n for n in nodes if n.target is C10D.all_reduce.default]
+    assert [r.meta["fsdp_overlap_bucket"] for r in reduces] == list(reversed(range(buckets)))
+    waits = {r: next(u for u in r.users if is_wait(u)) for r in reduces}
+    for ar, nxt in zip(reduces, reduces[1:]):
+        assert at[ar] < at[nxt] < at[waits[ar]], (ar, nxt)
+        # and behind the matmuls that run after it launched, where any do (each
+        # all-reduce launches when its reduce-scatter is waited, after the next bucket's
+        # backward: the last two launch after every matmul)
+        later = [n for n in nodes[at[ar] :] if n.target is aten.mm.default]
+        assert any(at[n] < at[waits[ar]] for n in later) == bool(later), ar
+        assert bool(later) == (ar.meta["fsdp_overlap_bucket"] >= 2), ar
+    assert at[waits[reduces[-1]]] > at[reduces[-1]]
+    assert_same_outputs(before, gm)
+
+
 def test_tensor_parallel_collectives_are_untouched():
     g = GraphBuilder()
     x, w = g.placeholder("x", (4, 8)), g.placeholder("w", (4, 8))

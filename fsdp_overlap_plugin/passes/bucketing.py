@@ -290,13 +290,24 @@ def _merge_replica_all_reduces(graph: fx.Graph, unit: _Unit) -> _Unit | None:
     ``wait -> split -> piece_i -> (views) -> all_reduce_i -> wait_i`` becomes
     ``wait -> all_reduce -> wait' -> split -> piece_i -> (views)``: the all-reduce is
     elementwise, so reducing the whole bucket and then selecting each member's part
-    gives exactly the same values. Returns the merged all-reduce's unit, or None (a
-    member without its own all-reduce, or all-reduces over different groups or ops:
-    left as they are)."""
+    gives exactly the same values. A bucket with one reduce-scatter member (an embedding
+    alone in its entry, a tied weight whose other read is the entry's only parameter:
+    ``wait -> (views) -> all_reduce -> wait``) has nothing to merge; its all-reduce is
+    the bucket's unit as it is, so it is deferred like the merged ones. Returns the
+    bucket's all-reduce unit, or None (a member without its own all-reduce, or
+    all-reduces over different groups or ops: left as they are)."""
     wait = unit.wait
-    splits = [u for u in wait.users if u.target is torch.ops.aten.split_with_sizes.default]
-    if not is_reduce_scatter(unit.start) or len(splits) != 1 or len(wait.users) != 1:
+    if not is_reduce_scatter(unit.start) or len(wait.users) != 1:
         return None
+    splits = [u for u in wait.users if u.target is torch.ops.aten.split_with_sizes.default]
+    if not splits:
+        single = _all_reduce_of(wait)
+        if single is None:
+            return None
+        single_wait = wait_of(single)
+        for node in (single, single_wait):
+            node.meta["fsdp_overlap_bucket"] = unit.bucket
+        return _Unit(unit.bucket, single, single_wait)
     split = splits[0]
     reduces = [_all_reduce_of(piece) for piece in split.users]
     if len(reduces) < 2 or any(r is None for r in reduces):
