@@ -28,7 +28,7 @@ import fsdp_overlap_plugin.compile.backends as fo_compile
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 from fsdp_overlap_plugin.passes.graph import collective_of_wait, is_all_reduce, is_wait
 from fsdp_overlap_plugin.passes.pin import is_anchor
-from fsdp_overlap_plugin.report.schedule import _replica_all_reduces_behind
+from fsdp_overlap_plugin.report.schedule import _replica_all_reduce_overlap, _replica_all_reduces_behind
 
 pytestmark = pytest.mark.torch_sensitive  # traces and compiles: also on every torch of the CI matrix
 
@@ -157,6 +157,9 @@ def _check(found: list[dict], buckets: int) -> None:
         assert (w["compute"] > 0) == (w["compute_after"] > 0) or w["next"] is None, w
 
 
+WITHOUT_COMPUTE = {"2x2-auto": 1, "2x4-per-module": 2}
+
+
 def _all_reduce_buckets(report: dict) -> int:
     """One all-reduce per bucket that reduces gradients: as many as reduce-scatters."""
     after = report["backward"]["after"]
@@ -178,7 +181,13 @@ def test_every_replica_all_reduce_but_the_last_is_deferred_in_the_graph(monkeypa
     # the summary counts the same on the recorded schedule, and says so
     assert _replica_all_reduces_behind(backward) == buckets - 1
     text = fo.format_report(report)
-    assert f"{buckets - 1} of {buckets} run behind the next buckets' backward" in text, text
+    assert f"{buckets - 1} of {buckets} are waited only after the next one starts;" in text, text
+    # and how many have backward compute (any operation but a view) between launch and wait:
+    # all but the last with the auto plan; one bucket per module leaves the last two without
+    # (each all-reduce starts when its reduce-scatter is waited, after the next bucket's
+    # backward, so the second last starts after the backward's last compute)
+    assert _replica_all_reduce_overlap(backward) == (buckets - 1, buckets - WITHOUT_COMPUTE[layout])
+    assert f"{buckets - WITHOUT_COMPUTE[layout]} of the {buckets} have backward compute in flight" in text
     assert "the others are waited" not in text
 
 

@@ -156,12 +156,20 @@ def test_all_reduces_appear_when_there_are_some(llama_report):
     assert groups() == [
         "  groups: each rank shards with 2 ranks (parameter gathers and gradient reduce-scatters) and is one of "
         "2 replicas, which all-reduce only their gradient shards (4 all-reduces, the traffic between nodes): each "
-        "bucket's all-reduce starts when its reduce-scatter is done and 3 of 4 run behind the next buckets' backward"
+        "bucket's all-reduce starts when its reduce-scatter is done and 3 of 4 are waited only after the next one "
+        "starts; 3 of the 4 have backward compute in flight (an all-reduce that starts after the backward's last "
+        "compute has none)"
     ], groups()
     report["backward"]["schedule"]["after"] = schedule([False, True, False, False])
     assert groups()[0].endswith(
-        "1 of 4 run behind the next buckets' backward; the others are waited before the next one starts"
+        "1 of 4 are waited only after the next one starts; the others are waited before the next one starts; "
+        "1 of the 4 have backward compute in flight (an all-reduce that starts after the backward's last compute "
+        "has none)"
     ), groups()
+    # no compute after the last launches: deferred, but nothing in flight with them
+    events = schedule([True, True, True, False])
+    report["backward"]["schedule"]["after"] = [e for e in events if e["name"] not in ("mm2", "mm3")]
+    assert "3 of 4 are waited only after the next one starts; 1 of the 4 have backward compute" in groups()[0]
     report["backward"]["schedule"]["after"] = schedule([False] * 4)
     assert groups()[0].endswith("each is waited before the next one starts"), groups()
     report["passes"]["manual_bucketing"] = False

@@ -336,24 +336,40 @@ def _rates_origin(report: dict, cost: dict) -> str:
 
 def _replica_all_reduces_behind(backward: dict) -> int | None:
     """How many replica all-reduces of the backward's schedule (after the passes) are
-    waited only after the next one has launched, i.e. run behind the next buckets'
-    backward; None without a recorded schedule."""
+    waited only after the next one has launched; None without a recorded schedule."""
+    counts = _replica_all_reduce_overlap(backward)
+    return None if counts is None else counts[0]
+
+
+def _replica_all_reduce_overlap(backward: dict) -> tuple[int, int] | None:
+    """``(deferred, computing)`` over the backward's recorded schedule (after the passes):
+    the replica all-reduces waited only after the next one has launched, and those with
+    backward compute between their launch and their wait (what the slow link hides
+    behind). None without a recorded schedule."""
     events = (backward.get("schedule") or {}).get("after")
     if not events:
         return None
     at = {e["name"]: i for i, e in enumerate(events) if e["op"] != "wait"}
     waits = {e["of"]: i for i, e in enumerate(events) if e["op"] == "wait"}
     launched = [e["name"] for e in events if e["op"] == "all_reduce"]
-    return sum(1 for ar, nxt in zip(launched, launched[1:]) if waits.get(ar, -1) > at[nxt])
+    deferred = sum(1 for ar, nxt in zip(launched, launched[1:]) if waits.get(ar, -1) > at[nxt])
+    computing = sum(
+        1 for ar in launched if any(e["op"] == "compute" for e in events[at[ar] + 1 : waits.get(ar, len(events))])
+    )
+    return deferred, computing
 
 
 def _hsdp_words(mesh: list[int], backward: dict, passes: dict) -> str:
     """HSDP in one line: what each of the two groups carries, and what the replica
-    all-reduces overlap with (counted on the schedule: waited after the next launch)."""
+    all-reduces overlap with (counted on the schedule: waited after the next launch, and
+    with backward compute in flight)."""
     buckets = backward["after"].get("all_reduce", 0)
-    behind = _replica_all_reduces_behind(backward)
-    if behind is None:  # a report without schedules: what the bucketing moved
+    counts = _replica_all_reduce_overlap(backward)
+    if counts is None:  # a report without schedules: what the bucketing moved
         behind = ((backward.get("passes") or {}).get("manual_bucketing") or {}).get("deferred_ar_waits", 0)
+        computing = None
+    else:
+        behind, computing = counts
     words = (
         f"  groups: each rank shards with {mesh[1]} ranks (parameter gathers and gradient reduce-scatters) and "
         f"is one of {mesh[0]} replicas, which all-reduce only their gradient shards ({buckets} all-reduces, "
@@ -361,9 +377,15 @@ def _hsdp_words(mesh: list[int], backward: dict, passes: dict) -> str:
     )
     if behind:
         rest = "" if behind >= buckets - 1 else "; the others are waited before the next one starts"
+        compute = (
+            ""
+            if computing is None
+            else f"; {computing} of the {buckets} have backward compute in flight (an all-reduce that starts after the "
+            "backward's last compute has none)"
+        )
         return words + (
-            f"each bucket's all-reduce starts when its reduce-scatter is done and {behind} of {buckets} run behind "
-            f"the next buckets' backward{rest}"
+            f"each bucket's all-reduce starts when its reduce-scatter is done and {behind} of {buckets} are waited "
+            f"only after the next one starts{rest}{compute}"
         )
     if not passes.get("manual_bucketing"):
         return words + "each is waited at once (bucketing is off)"
