@@ -280,8 +280,10 @@ def inflight_breaches(code: str) -> tuple[list[str], int]:
             if st.launch is not None and not st.launch[2]:  # a fresh result: what the launch writes
                 targets = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
                 st.launch = (st.launch[0], st.launch[1], targets)
-        elif isinstance(node, (ast.Expr, ast.Return)):
+        elif isinstance(node, ast.Expr):
             st.expr(node.value)
+        elif isinstance(node, ast.Return):
+            st.use("read", st.expr(node.value), "return")
         elif isinstance(node, (ast.With, ast.If, ast.For, ast.While, ast.Try)):
             header = [getattr(node, f, None) for f in ("test", "iter", "target")]
             header += [item.context_expr for item in getattr(node, "items", [])]
