@@ -47,7 +47,7 @@ import torch
 import fsdp_overlap_plugin.passes.ops  # noqa: F401 (registers torch.ops.fsdp_overlap: their schemas)
 
 META_FUNCTIONS = {"assert_size_stride", "assert_alignment"}
-META_METHODS = {"size", "stride", "dim", "numel", "storage_offset", "element_size", "is_contiguous", "data_ptr"}
+META_METHODS = {"size", "stride", "dim", "numel", "storage_offset", "element_size", "is_contiguous"}
 VIEW_METHODS = {
     "view", "reshape", "as_strided", "narrow", "select", "expand", "expand_as", "permute", "t", "transpose",
     "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "split", "chunk", "unbind", "detach", "contiguous",
@@ -165,7 +165,10 @@ class _Statement:
             for arg in node.args[1:]:
                 self.expr(arg)
             return self.expr(node.args[0]) if node.args else set()
-        if func in META_FUNCTIONS:
+        if func in META_FUNCTIONS:  # the buffers it names: their sizes, strides, address
+            for arg in [*node.args, *(kw.value for kw in node.keywords)]:
+                if not isinstance(arg, ast.Name):
+                    self.use("touch", self.expr(arg), func)
             return set()
         if func in self.m.const:
             const = self.m.const[func]
