@@ -6,115 +6,329 @@ So between the two, no buffer it touches may be freed, reused for another tensor
 written by anything else; and its output may not be read before the wait. A breach is a
 heap corruption on gloo (bytes received into memory given to someone else) and silent
 data corruption on a GPU. ``inflight_breaches(code)`` lists every breach in one module of
-generated code, reading:
+generated code.
 
-* launches: ``bufN = torch.ops._c10d_functional.<op>.default(args)`` and the in-place
-  ``torch.ops._c10d_functional.<op>_out.default(args, out=bufM)``; the buffers of a
-  launch are the names in its arguments and its result;
-* waits: ``torch.ops._c10d_functional.wait_tensor.default(bufN)`` (the first one);
-* aliases: ``bufB = reinterpret_tensor(bufA, ...)`` and ``bufB = bufA`` make ``bufB`` the
-  storage of ``bufA``;
-* writes: a C++ kernel's non-``const`` pointer arguments (its ``cpp_pybinding`` type
-  list), ``out=`` arguments, in-place methods (``bufA.copy_(...)``);
-* frees and reuses: ``del bufA`` and ``...; del bufA  # reuse``.
+It parses the module with ``ast`` (the wrapper is plain Python) and walks the statements of
+its ``call`` function in order. Every mention of a buffer (a name the function binds) is a
+use, classified from what the code itself declares, and anything it cannot classify counts
+as a write (conservative: an unknown call touching a buffer in flight is a breach):
+
+* ``torch.ops.<ns>.<op>.<overload>`` calls (also through the module's ``aten = torch.ops.aten``
+  style aliases): the op's schema. An argument marked ``Tensor(a!)`` is written, any other
+  read; a return marked ``Tensor(a)`` is an alias of the arguments in the same alias set
+  (``aten.slice``, ``aten.as_strided``, ``all_gather_into_tensor_out``'s ``out``, ...);
+* C++ kernels: their ``async_compile.cpp_pybinding`` type list (a ``const`` pointer is read,
+  any other written);
+* ``extern_kernels.<f>`` of a known pure op (``mm``, ``addmm``, ...): ``out=`` written,
+  the rest read; any other extern: every argument written;
+* methods of a buffer: views (``view``, ``reshape``, ``as_strided``, ...) alias it, metadata
+  (``size``, ``stride``, ...) is no use, a name ending in ``_`` writes it, anything else
+  writes it; ``bufA[...]``, ``bufB = bufA`` and ``reinterpret_tensor(bufA, ...)`` alias it;
+* ``assert_size_stride`` / ``assert_alignment`` read metadata only;
+* ``del bufA`` frees it (``...; del bufA  # reuse`` reuses it);
+* any other call or expression: every buffer it mentions is written, and its result
+  aliases them all.
+
+Aliases join storages (union-find over the module: inductor binds each name once).
+Collectives are the ``_c10d_functional`` ops: a launch reads its read arguments and writes
+its ``(a!)`` arguments and its result; its window runs to ITS OWN wait, the first
+``wait_tensor`` after it on a storage it writes. In the window, a free, reuse or write of
+any storage it touches, or a read of a storage it writes, is a breach; so is a launch
+never waited. (A coalesced launch whose outputs are waited one by one ends at the first
+of those waits; the plugin emits none.)
 """
 
 from __future__ import annotations
 
-import re
+import ast
 
-_BINDING = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[(.*?)\]")
-_ASSIGN = re.compile(r"^\s*(\w+) = (.*)$")
-_C10D = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$")
-_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
-_ALIAS = re.compile(r"^(?:reinterpret_tensor\()?(\w+)\b")
-_DEL = re.compile(r"\bdel (\w+)")
-_OUT = re.compile(r"\bout=(?:reinterpret_tensor\()?(\w+)")
-_INPLACE = re.compile(r"\b(\w+)\.\w+_\(")
-_CALL = re.compile(r"^\s*(?:\w+ = )?(\w+)\((.*)\)\s*$")
-_NAME = re.compile(r"\b([A-Za-z_]\w*)\b")
+import torch
+
+import fsdp_overlap_plugin.passes.ops  # noqa: F401 (registers torch.ops.fsdp_overlap: their schemas)
+
+META_FUNCTIONS = {"assert_size_stride", "assert_alignment"}
+META_METHODS = {"size", "stride", "dim", "numel", "storage_offset", "element_size", "is_contiguous"}
+VIEW_METHODS = {
+    "view", "reshape", "as_strided", "narrow", "select", "expand", "expand_as", "permute", "t", "transpose",
+    "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "split", "chunk", "unbind", "detach", "contiguous",
+}  # fmt: skip
+PURE_EXTERN = {"mm", "bmm", "addmm", "baddbmm", "addmv", "addbmm", "addr", "convolution", "_mm_plus_mm", "_int_mm"}
+# functions whose schema says "fresh" but whose result is (a view of) an argument
+ALIASING_OPS = {"torch.ops.inductor._alloc_from_pool", "torch.ops._c10d_functional.wait_tensor"}
+COLLECTIVES = "torch.ops._c10d_functional."
 
 
-def _top_level_args(text: str) -> list[str]:
-    args, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            args.append(text[start:i])
-            start = i + 1
-    if text[start:].strip():
-        args.append(text[start:])
-    return [a.strip() for a in args]
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _schema(dotted: str):
+    obj = torch.ops
+    try:
+        for part in dotted.split(".")[2:]:
+            obj = getattr(obj, part)
+        if not hasattr(obj, "_schema"):  # a packet (``torch.ops.inductor._alloc_from_pool``)
+            obj = obj.default
+        return obj._schema
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class _Module:
+    """The facts of one generated module: its kernels' signatures, its aliases of
+    ``torch.ops`` namespaces, and the storage each buffer name belongs to."""
+
+    def __init__(self, tree: ast.Module, call: ast.FunctionDef):
+        self.const: dict[str, list[bool]] = {}
+        self.prefix: dict[str, str] = {}  # "aten" -> "torch.ops.aten"
+        for node in tree.body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+                continue
+            name, value = node.targets[0].id, node.value
+            if isinstance(value, ast.Call) and (_dotted(value.func) or "").endswith("cpp_pybinding"):
+                types = ast.literal_eval(value.args[0])
+                self.const[name] = [t.strip().startswith("const") for t in types]
+            elif (dotted := _dotted(value)) and dotted.startswith("torch.ops."):
+                self.prefix[name] = dotted
+        self.buffers = {a.arg for a in call.args.args if a.arg not in ("self", "args")}
+        for node in ast.walk(call):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id != "args":
+                self.buffers.add(node.id)
+        self.root: dict[str, str] = {}
+
+    def storage(self, name: str) -> str:
+        while name in self.root:
+            name = self.root[name]
+        return name
+
+    def join(self, a: str, b: str) -> None:
+        a, b = self.storage(a), self.storage(b)
+        if a != b:
+            self.root[a] = b
+
+    def resolve(self, func: ast.AST) -> str | None:
+        dotted = _dotted(func)
+        if dotted is None:
+            return None
+        head, _, rest = dotted.partition(".")
+        if head in self.prefix:
+            return self.prefix[head] + ("." + rest if rest else "")
+        return dotted
+
+
+class _Statement:
+    """The uses of one statement: ``(kind, name, by)`` with kind read, write, touch (an
+    unknown use, counted as a write), free or reuse; the aliases its result takes; and the
+    collective it launches or waits on, if any."""
+
+    def __init__(self, module: _Module):
+        self.m = module
+        self.uses: list[tuple[str, str, str]] = []
+        self.launch: tuple[str, set[str], set[str]] | None = None  # (op, read names, written names)
+        self.wait: str | None = None
+
+    def use(self, kind: str, names: set[str], by: str) -> None:
+        self.uses.extend((kind, n, by) for n in sorted(names))
+
+    def expr(self, node: ast.AST | None) -> set[str]:
+        """The buffers ``node``'s value may alias; records the uses inside it."""
+        if node is None or isinstance(node, ast.Constant):
+            return set()
+        if isinstance(node, ast.Name):
+            return {node.id} if node.id in self.m.buffers else set()
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(self.expr(e) for e in node.elts))
+        if isinstance(node, ast.Starred):
+            return self.expr(node.value)
+        if isinstance(node, ast.Subscript):
+            self.use("read", self.expr(node.slice), "index")
+            return self.expr(node.value)
+        if isinstance(node, ast.Attribute):
+            return self.expr(node.value)  # ``buf.T``, ``torch.float32``
+        if isinstance(node, ast.Call):
+            return self.call(node)
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in self.m.buffers}
+        self.use("touch", names, f"expression {type(node).__name__}")
+        return names
+
+    def call(self, node: ast.Call) -> set[str]:
+        func = self.m.resolve(node.func) or ""
+        short = func.removeprefix("torch.ops.")
+        if func == "reinterpret_tensor":
+            for arg in node.args[1:]:
+                self.expr(arg)
+            return self.expr(node.args[0]) if node.args else set()
+        if func in META_FUNCTIONS:  # the buffers it names: their sizes, strides, address
+            for arg in [*node.args, *(kw.value for kw in node.keywords)]:
+                if not isinstance(arg, ast.Name):
+                    self.use("touch", self.expr(arg), func)
+            return set()
+        if func in self.m.const:
+            const = self.m.const[func]
+            for i, arg in enumerate(node.args):
+                names = self.expr(arg)
+                kind = "touch" if i >= len(const) else ("read" if const[i] else "write")
+                self.use(kind, names, func)
+            for kw in node.keywords:
+                self.use("touch", self.expr(kw.value), func)
+            return set()
+        if func.startswith("torch.ops.") and (schema := _schema(func)) is not None:
+            return self.op(node, func, short, schema)
+        if func.startswith("extern_kernels."):
+            pure = func.split(".", 1)[1] in PURE_EXTERN
+            for arg in node.args:
+                self.use("read" if pure else "touch", self.expr(arg), func)
+            for kw in node.keywords:
+                names = self.expr(kw.value)
+                self.use(
+                    "write" if kw.arg == "out" else ("read" if pure else "touch"),
+                    names,
+                    "out=" if kw.arg == "out" else func,
+                )
+            return set()
+        if isinstance(node.func, ast.Attribute) and (base := self.expr(node.func.value)):
+            method = node.func.attr
+            for arg in [*node.args, *(kw.value for kw in node.keywords)]:
+                self.use("read" if method in VIEW_METHODS else "touch", self.expr(arg), method)
+            if method in META_METHODS:
+                return set()
+            if method in VIEW_METHODS:
+                return base
+            self.use("write" if method.endswith("_") else "touch", base, "in place" if method.endswith("_") else method)
+            return base
+        # an unknown function: every buffer it is given is written, and may come back
+        names = set()
+        for arg in [*node.args, *(kw.value for kw in node.keywords)]:
+            names |= self.expr(arg)
+        self.use("touch", names, f"unknown call {func or ast.unparse(node.func)}")
+        return names
+
+    def op(self, node: ast.Call, func: str, short: str, schema) -> set[str]:
+        params = schema.arguments
+        by_name = {a.name: a for a in params}
+        bound = [(params[i] if i < len(params) else None, arg) for i, arg in enumerate(node.args)]
+        bound += [(by_name.get(kw.arg), kw.value) for kw in node.keywords]
+        result, reads, writes = set(), set(), set()
+        alias_sets = [r.alias_info.before_set for r in schema.returns if r.alias_info is not None]
+        for param, arg in bound:
+            names = self.expr(arg)
+            info = param.alias_info if param is not None else None
+            if param is None:
+                self.use("touch", names, short)
+                writes |= names
+                continue
+            aliased = info is not None and any(info.before_set & s for s in alias_sets)
+            if aliased:
+                result |= names  # a view of it (not a use yet), or the tensor it writes in place
+            if info is not None and info.is_write:
+                writes |= names
+            elif not aliased:
+                reads |= names
+        if func.rsplit(".", 1)[0] in ALIASING_OPS:
+            result |= reads
+        if func.startswith(COLLECTIVES):
+            op = func[len(COLLECTIVES) :].split(".")[0]
+            if op == "wait_tensor":
+                self.wait = next(iter(reads), None)
+                return result
+            self.launch = (op, reads, writes)
+        self.use("read", reads, short)
+        self.use("write", writes, short)
+        return result
+
+
+def _body(stmts: list[ast.stmt]) -> list[ast.stmt]:
+    out = []
+    for s in stmts:
+        if isinstance(s, (ast.With, ast.If, ast.For, ast.While, ast.Try)):
+            out.append(s)  # its own header uses (as an unknown expression), then its body
+            for field in ("body", "orelse", "handlers", "finalbody"):
+                for sub in getattr(s, field, []):
+                    out += _body(sub.body if isinstance(sub, ast.ExceptHandler) else [sub])
+        else:
+            out.append(s)
+    return out
 
 
 def inflight_breaches(code: str) -> tuple[list[str], int]:
     """``(breaches, windows)``: every breach of the in-flight rule in ``code`` (one line
     each: the collective, the offending line and what it does), and how many launch-to-wait
-    windows were checked."""
+    windows were checked (one per collective launched)."""
+    tree = ast.parse(code)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "call"]
+    if len(calls) != 1:
+        raise ValueError(f"expected one `def call` in the generated module, found {len(calls)}")
+    module = _Module(tree, calls[0])
     lines = code.splitlines()
-    const: dict[str, list[bool]] = {}
-    for line in lines:
-        if m := _BINDING.match(line):
-            const[m.group(1)] = [t.strip().strip("'\"").startswith("const") for t in m.group(2).split(",")]
-    root: dict[str, str] = {}  # buffer -> the buffer whose storage it is
+    statements: list[tuple[int, _Statement]] = []
+    for node in _body(calls[0].body):
+        st = _Statement(module)
+        if isinstance(node, ast.Delete):
+            reuse = "# reuse" in lines[node.lineno - 1]
+            for target in node.targets:
+                st.use("reuse" if reuse else "free", st.expr(target), "del")
+        elif isinstance(node, ast.Assign):
+            sources = st.expr(node.value)
+            for target in node.targets:
+                for name in {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}:
+                    for source in sources:
+                        module.join(name, source)
+            if st.launch is not None and not st.launch[2]:  # a fresh result: what the launch writes
+                targets = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                st.launch = (st.launch[0], st.launch[1], targets)
+        elif isinstance(node, ast.Expr):
+            st.expr(node.value)
+        elif isinstance(node, ast.Return):
+            st.use("read", st.expr(node.value), "return")
+        elif isinstance(node, (ast.With, ast.If, ast.For, ast.While, ast.Try)):
+            header = [getattr(node, f, None) for f in ("test", "iter", "target")]
+            header += [item.context_expr for item in getattr(node, "items", [])]
+            for h in header:
+                if h is not None:
+                    names = {n.id for n in ast.walk(h) if isinstance(n, ast.Name) and n.id in module.buffers}
+                    st.use("touch", names, type(node).__name__)
+        else:
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in module.buffers}
+            st.use("touch", names, type(node).__name__)
+        statements.append((node.lineno, st))
 
-    def storage(name: str) -> str:
-        while name in root:
-            name = root[name]
-        return name
-
-    launches: list[tuple[int, str, set[str], str]] = []  # (line, result, storages, what)
-    events: list[tuple[int, str]] = []
-    for i, line in enumerate(lines):
-        body = line.split("#", 1)[0]
-        if m := _ASSIGN.match(body):
-            target, value = m.group(1), m.group(2).split(";")[0].strip()
-            if (a := _ALIAS.match(value)) and (value.startswith("reinterpret_tensor(") or value == a.group(1)):
-                root[target] = a.group(1)
-        if (m := _C10D.search(body)) and m.group(1) != "wait_tensor":
-            names = {n for n in _NAME.findall(m.group(2)) if n.startswith(("buf", "primals", "tangents", "arg"))}
-            out = _OUT.search(m.group(2))
-            result = out.group(1) if out else (_ASSIGN.match(body).group(1) if _ASSIGN.match(body) else "")
-            launches.append((i, result, {storage(n) for n in names | {result}}, m.group(1)))
-        events.append((i, body))
-    waits: dict[str, int] = {}
-    for i, body in events:
-        if m := _WAIT.search(body):
-            waits.setdefault(storage(m.group(1)), i)
-
-    breaches = []
-    for start, result, touched, op in launches:
-        end = waits.get(storage(result))
-        if end is None:
-            breaches.append(f"{op} at line {start + 1} ({result}): never waited")
+    breaches, windows = [], 0
+    for k, (start, launch) in enumerate(statements):
+        if launch.launch is None:
             continue
-        result_storage = storage(result)
-        for i in range(start + 1, end):
-            line = lines[i]
-            body = line.split("#", 1)[0]
+        windows += 1
+        op, reads, writes = launch.launch
+        written = {module.storage(n) for n in writes}
+        touched = written | {module.storage(n) for n in reads}
+        result = ", ".join(sorted(writes))
+        end = next(
+            (i for i in range(k + 1, len(statements)) if (w := statements[i][1].wait) and module.storage(w) in written),
+            None,
+        )
+        if end is None:
+            breaches.append(f"{op} at line {start} ({result}): never waited")
+            continue
+        for line, st in statements[k + 1 : end]:
             hit = []
-            for name in _DEL.findall(body):
-                if storage(name) in touched:
-                    hit.append(f"reuses {name}" if "# reuse" in line else f"frees {name}")
-            for name in _OUT.findall(body):
-                if storage(name) in touched:
-                    hit.append(f"writes {name} (out=)")
-            for name in _INPLACE.findall(body):
-                if storage(name) in touched and name != "torch":
-                    hit.append(f"writes {name} (in place)")
-            if (m := _CALL.match(body)) and m.group(1) in const:
-                for arg, is_const in zip(_top_level_args(m.group(2)), const[m.group(1)]):
-                    for name in _NAME.findall(arg):
-                        if storage(name) in touched and not is_const:
-                            hit.append(f"writes {name} ({m.group(1)})")
-                        elif storage(name) == result_storage and is_const:
-                            hit.append(f"reads {name} before the wait ({m.group(1)})")
-            elif m := _C10D.search(body):
-                if m.group(1) != "wait_tensor" and any(storage(n) == result_storage for n in _NAME.findall(m.group(2))):
-                    hit.append(f"hands {result} to {m.group(1)} before the wait")
+            for kind, name, by in st.uses:
+                where = module.storage(name)
+                if where not in touched:
+                    continue
+                if kind in ("free", "reuse"):
+                    hit.append(f"{'reuses' if kind == 'reuse' else 'frees'} {name}")
+                elif kind == "write":
+                    hit.append(f"writes {name} ({by})")
+                elif kind == "touch":
+                    hit.append(f"touches {name} ({by}: counted as a write)")
+                elif where in written:
+                    hit.append(f"reads {name} before the wait ({by})")
             if hit:
-                breaches.append(f"{op} at line {start + 1} ({result}), line {i + 1}: {'; '.join(sorted(set(hit)))}")
-    return breaches, len(launches)
+                breaches.append(f"{op} at line {start} ({result}), line {line}: {'; '.join(sorted(set(hit)))}")
+    return breaches, windows
