@@ -74,14 +74,14 @@ def torch_supported(version: str) -> bool:
     return low <= (int(match.group(1)), int(match.group(2))) < high
 
 
-def check_torch_version() -> None:
-    """Warn (once, at import) when torch is outside the supported range. Reads
-    ``torch.__version__`` itself: this runs just after torch's import finishes, which may be
-    from inside ``_torch_compat``'s own import (importing it imports torch), so that module
-    is only half there."""
+def check_torch_version(version: str | None = None) -> None:
+    """Warn (once, at import) when torch (``version``, default the installed one) is outside
+    the supported range. Reads ``torch.__version__`` itself: this runs just after torch's
+    import finishes, which may be from inside ``_torch_compat``'s own import (importing it
+    imports torch), so that module is only half there."""
     import torch
 
-    TORCH_VERSION = torch.__version__
+    TORCH_VERSION = version or torch.__version__
     if not torch_supported(TORCH_VERSION):
         warnings.warn(
             f"fsdp-overlap {__version__} supports {supported_range()} (the releases CI tests); found torch "
