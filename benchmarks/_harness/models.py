@@ -67,31 +67,20 @@ def build_hf_llama(hidden: int, layers: int, heads: int, kv_heads: int, intermed
     """A transformers ``LlamaForCausalLM`` from a ``LlamaConfig`` (nothing downloaded):
     sdpa attention (one graph under our compile, as the tests' Llama uses), untied head,
     no KV cache, dropout off (Llama's default); in train mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=seq,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config)
-    model.train()
-    return model
+    return _build_hf("llama", False, hidden, layers, heads, kv_heads, intermediate, vocab, seq)
 
 
 def build_hf_qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seq: int):
     """A transformers ``Qwen2ForCausalLM`` from a ``Qwen2Config`` (nothing downloaded), as
     ``build_hf_llama`` but with Qwen2's q/k/v biases and a tied head."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _build_hf("qwen2", True, hidden, layers, heads, kv_heads, intermediate, vocab, seq)
 
-    config = Qwen2Config(
+
+def _build_hf(model_type: str, tied: bool, hidden, layers, heads, kv_heads, intermediate, vocab, seq):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -99,11 +88,11 @@ def build_hf_qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermed
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=seq,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         use_cache=False,
         attn_implementation="sdpa",
     )
-    model = Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.train()
     return model
 
