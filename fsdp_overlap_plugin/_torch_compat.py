@@ -67,6 +67,9 @@ __all__ = [
     "in_compile_wrapper",
     "inductor_cache_dir",
     "inductor_config",
+    "inductor_distributed_passes",
+    "node_values",
+    "roofline_rates",
     "inference_aware_pass_class",
     "installed_graph_passes",
     "is_impure",
@@ -105,6 +108,55 @@ def _attr(module: str, name: str) -> Any | None:
 def inductor_config() -> Any:
     """``torch._inductor.config`` (imported on first use, by the compile path)."""
     return importlib.import_module("torch._inductor.config")
+
+
+def inductor_distributed_passes() -> dict[str, bool]:
+    """Which of inductor's own distributed scheduling passes this torch has (by their
+    config switches): ``simple_overlap`` (torch 2.14 and newer, on by default there) and
+    ``overlap_scheduling`` (off by default)."""
+    section = getattr(inductor_config(), "aten_distributed_optimizations", None)
+    return {
+        "simple_overlap": hasattr(section, "enable_simple_overlap"),
+        "overlap_scheduling": hasattr(section, "enable_overlap_scheduling"),
+    }
+
+
+def node_values(node: Any) -> tuple[Any, Any, Any]:
+    """An FX node's arguments, keyword arguments and result as their example values
+    (``meta["val"]``), and a flat list of every tensor among them."""
+    from torch.fx import Node
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    def val(x: Any) -> Any:
+        return x.meta.get("val") if isinstance(x, Node) else x
+
+    args, kwargs, out = tree_map(val, list(node.args)), tree_map(val, dict(node.kwargs)), node.meta.get("val")
+    tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+    return (args, kwargs, out), tensors
+
+
+@contextlib.contextmanager
+def roofline_rates(flops: float, mem: float) -> Iterator[None]:
+    """While it lasts, torch's roofline estimates (``torch.utils._runtime_estimation``, which
+    inductor's overlap scheduler calls) read ``flops`` FLOP/s and ``mem`` bytes/s instead of
+    asking for an accelerator: without one torch 2.13 fails and 2.15 costs all compute at
+    zero. The lookups are swapped in that module and put back after (2.11 - 2.14 call
+    ``get_gpu_dram_gbps``, 2.15 ``get_device_dram_gbps``)."""
+    module = importlib.import_module("torch.utils._runtime_estimation")
+    tflops, gbps = flops / 1e12, mem / 1e9
+    swaps = {
+        "get_device_tflops": lambda *args, **kwargs: tflops,
+        "get_gpu_dram_gbps": lambda *args, **kwargs: gbps,
+        "get_device_dram_gbps": lambda *args, **kwargs: gbps,
+    }
+    saved = {name: getattr(module, name) for name in swaps if hasattr(module, name)}
+    for name in saved:
+        setattr(module, name, swaps[name])
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
 
 
 def compile_fx() -> Callable:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .config import inductor_overlap
 from .config.schema import OverlapConfig, OverlapConfigError
 from .contract import BucketIndex
 from .report.messages import install_excepthook, process_rank, say
@@ -158,6 +159,8 @@ def parallelize(
         mesh.shape[-1],
         compiled=config.compile,
     )
+    if config.compile and (problem := inductor_overlap.device_error(config.inductor_overlap, device_type)):
+        raise OverlapConfigError(problem)
     hf_layers = [fqn for _, layers in hf.checkpointing_layers(model) for fqn in layers]
     hf.disable_own_checkpointing(model)
     if checkpointed:

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .. import _torch_compat as compat
 from ..passes.graph import graph_kind
+from . import torch_passes
 
 __all__ = ["inductor_backend", "inductor_options"]
 
@@ -68,7 +69,11 @@ def inductor_options(state: Any, run_passes: Callable, run_reshard: Callable) ->
         "joint_custom_post_pass": compat.chain_graph_passes(
             config.joint_custom_post_pass, ReshardJointPass(state, run_reshard)
         ),
+        # what inductor's own distributed passes may do after ours (inductor_overlap)
+        **torch_passes.config_patches(state.config.inductor_overlap),
     }
+    if state.config.inductor_overlap == "auto":
+        options.update(torch_passes.auto_patches(state.device_type, _rates(state)))
     if state.passes_on:
         options["post_grad_custom_post_pass"] = compat.chain_graph_passes(
             config.post_grad_custom_post_pass, OverlapGraphPass(state, run_passes)
@@ -94,6 +99,17 @@ def inductor_backend(state: Any, run_passes: Callable, run_reshard: Callable) ->
     options = inductor_options(state, run_passes, run_reshard)
 
     def inductor(gm: fx.GraphModule, example_inputs: list) -> Any:
+        if state.config.inductor_overlap == "auto" and state.device_type != "cuda":
+            with torch_passes.estimates(_rates(state)):
+                return compile_fx(gm, example_inputs, config_patches=options)
         return compile_fx(gm, example_inputs, config_patches=options)
 
     return inductor
+
+
+def _rates(state: Any) -> dict:
+    """The rates torch's scheduler is given off CUDA (``inductor_overlap: auto``): the
+    ``hardware`` setting's, the device type's preset without one."""
+    from ..config.hardware import resolve_rates
+
+    return resolve_rates(state.device_type, state.config.hardware, state.config.compute_profile)["rates"]

@@ -58,6 +58,7 @@ _REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all", "receive_first")
 _RANK_CHECK = ("error", "warn", "off")
 _DYNAMIC = ("auto", True, False)
 _ON_COMPILE_ERROR = ("raise", "eager")
+_INDUCTOR_OVERLAP = ("off", "simple", "auto")  # inductor_overlap.SETTINGS (which imports torch's inductor config)
 _ON_UNBUCKETED = ("error", "warn")
 ON_UNINITIALIZED = ("error", "warn")
 
@@ -225,6 +226,20 @@ class OverlapConfig:
     (prefetch_depth alone decides). An integer or a string such as "256MiB". fsdp-overlap
     check prints the resulting peak and which order runs; so does the schedule report."""
 
+    inductor_overlap: str = "off"
+    """What inductor's own distributed passes may do to our compiled graphs, after our passes:
+    "off" (none of them runs: the code keeps the order our passes decided, the one the report
+    describes), "simple" (torch 2.14+'s simple overlap: each collective launch moved earlier
+    and each wait later by adjacent swaps, never past another collective, only where peak
+    memory does not grow; torch's own default since 2.14) or "auto" (torch's bucketing and
+    overlap scheduler, which replaces our schedule: only with manual_bucketing and
+    overlap_grad_reduce false; off CUDA it is given the hardware setting's rates). "off" on
+    every device: on our graphs "simple" moved nothing in the benchmarks but single-parameter
+    buckets' all-gathers, which it launched earlier than prefetch_depth allows, and it cannot
+    see collectives inside custom ops (pytorch issue 189454). Applied to our compiles only,
+    through inductor's config patches. Only read with backend: inductor; the report names
+    which of torch's passes ran. docs/performance.md has the measurements."""
+
     hardware: str | dict | None = None
     """The machine the report's predictions (and ``fsdp-overlap check`` / ``inspect`` /
     ``suggest``) assume: a preset name (h100-nvlink, h200-nvlink, h100-ib400, h100-ib200,
@@ -234,8 +249,9 @@ class OverlapConfig:
     link=300GB/s"). ``link``: bytes/s per rank the shard group's collectives move (bus
     bandwidth); ``inter_link``: the same between replicas (HSDP); ``flops``: FLOP/s a training
     step achieves; ``latency``: per collective. null: the preset of the device type (cuda:
-    h100-nvlink, npu: ascend-910b-hccs, cpu: cpu-gloo-300mbit). Only predictions read it:
-    training is the same whatever it says."""
+    h100-nvlink, npu: ascend-910b-hccs, cpu: cpu-gloo-300mbit). Read by the predictions and,
+    off CUDA, by torch's overlap scheduler under inductor_overlap: auto (its cost model);
+    the numbers trained are the same whatever it says."""
 
     compute_profile: str | None = None
     """A measured compute profile (JSON with ``achieved_flops_per_s``: written by
@@ -364,6 +380,7 @@ class OverlapConfig:
             ("on_unbucketed", _ON_UNBUCKETED),
             ("on_uninitialized", ON_UNINITIALIZED),
             ("activation_checkpointing_policy", AC_POLICIES),
+            ("inductor_overlap", _INDUCTOR_OVERLAP),
         ):
             value = getattr(self, name)
             if value not in choices:
@@ -405,6 +422,14 @@ class OverlapConfig:
             raise OverlapConfigError(
                 f"backend: unknown backend {self.backend!r}; valid: {', '.join(_BACKENDS)}.{suggest(str(self.backend), _BACKENDS)}"
             )
+        if self.compile and self.inductor_overlap != "off":
+            from .inductor_overlap import setting_error
+
+            problem = setting_error(
+                self.inductor_overlap, self.manual_bucketing or self.overlap_grad_reduce, self.backend
+            )
+            if problem:
+                raise OverlapConfigError(problem)
         self.mesh = _mesh_from_value(self.mesh, "config")
         for name in ("shard", "replicate"):
             value = getattr(self.mesh, name)

@@ -143,6 +143,7 @@ class TrainerStrategyMixin(StrategyBase):
         reduce_scatter_impl: str | None = None,
         prefetch_depth: int | None = None,
         max_prefetch_bytes: int | str | None = None,
+        inductor_overlap: str | None = None,
         hardware: str | dict | None = None,
         compute_profile: str | None = None,
         rank_check: str | None = None,

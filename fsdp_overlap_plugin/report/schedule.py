@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..config.inductor_overlap import describe as describe_torch_passes
+from ..config.inductor_overlap import summary_line as torch_passes_line
 from ..config.parse import format_bytes
 from ..config.schema import prefetch_words
 from ..runtime.exchange import exchanges_run
@@ -90,6 +92,10 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             "groups": sorted(state.exchange_groups.values()),
             "exchanges": exchanges_run(*state.exchange_groups.values()) - state.exchanges_before,
         },
+        # which of inductor's own distributed passes ran on our graphs (inductor_overlap)
+        "torch_passes": describe_torch_passes(
+            config.inductor_overlap, config.backend if config.compile and not state.fallback else None
+        ),
         "prefetch": prefetch_total(running, config),
         "plan": state.plan,
         "reshard": reshard_total(joints),
@@ -607,6 +613,9 @@ def _details(report: dict[str, Any]) -> str:
                 f"  all-to-alls on {group}, every receive posted before any send: "
                 f"{rs['exchanges']} run since this model was parallelized"
             )
+    torch_passes = report.get("torch_passes") or {}
+    if torch_passes and report.get("backend") == "inductor":
+        lines.append(torch_passes_line(torch_passes))
     prefetch = report.get("prefetch") or {}
     shown = [k for k in KINDS if k in prefetch]
     if shown:
