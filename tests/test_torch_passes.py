@@ -419,3 +419,42 @@ def test_each_value_trains_as_one_process():
             torch.testing.assert_close(result["params"][name], want, rtol=1e-5, atol=1e-6, msg=f"{setting}: {name}")
     if "simple" in results:
         assert results["simple"]["rs"] == "receive_first"
+
+
+_AUTO_TWICE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from _fake import fake_world
+import fsdp_overlap_plugin as fo
+from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+with fake_world(2):
+    torch.manual_seed(0)
+    model = gpt_small()
+    x, y = fixed_batches(1, 2, 16, 256)[0]
+    fo.parallelize(model, backend="inductor", inductor_overlap="auto", manual_bucketing=False, overlap_grad_reduce=False)
+    loss_fn(model(x), y).backward()
+    print("CACHE", fo.schedule_report(model)["compile_cache"])
+"""
+
+
+@pytest.mark.slow
+def test_auto_hits_the_compile_cache_on_a_second_run(tmp_path):
+    """auto off CUDA hands torch's scheduler our cost model in inductor's config, which is
+    part of the FX graph cache key: it must pickle the same in every process (a closure
+    cannot be pickled, and inductor then bypasses the cache on every compile)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _AUTO_TWICE.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "pickle" not in proc.stderr.lower(), proc.stderr[-3000:]
+        runs.append(proc.stdout + proc.stderr)
+    assert "0 of 1 graph from the compile cache" in runs[0], runs[0][-2000:]
+    assert "1 of 1 graph from the compile cache" in runs[1], runs[1][-2000:]

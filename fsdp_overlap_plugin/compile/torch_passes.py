@@ -34,7 +34,7 @@ from typing import Any
 from .. import _torch_compat as compat
 from ..config.inductor_overlap import available
 
-__all__ = ["auto_patches", "config_patches", "estimates", "runtime_estimator"]
+__all__ = ["RuntimeEstimator", "auto_patches", "config_patches", "estimates", "runtime_estimator"]
 
 # inductor config keys (in aten_distributed_optimizations) of the passes each setting names
 _SIMPLE = "enable_simple_overlap"
@@ -82,27 +82,38 @@ def _roofline_ms(node: Any, flops_rate: float, mem_rate: float) -> float:
     return max(flops / flops_rate, moved / mem_rate) * 1e3
 
 
-def runtime_estimator(rates: dict[str, float]):
+class RuntimeEstimator:
     """``custom_runtime_estimation`` for torch's scheduler off CUDA, one number (ms) for
     every node, so that torch neither benchmarks a kernel (torch 2.11 would, on a GPU)
     nor asks for an accelerator's rates: each collective from the link rate and latency of
     ``rates``, everything else by a roofline at ``rates``' FLOP/s and memory bytes/s. The
-    same rates on every rank: every rank schedules alike."""
-    from ..passes.graph import is_collective
+    same rates on every rank: every rank schedules alike. A class of this module holding
+    numbers, so that inductor can pickle it into its cache key (a closure cannot be
+    pickled: inductor then bypasses the FX graph cache for every such compile)."""
 
-    link, latency = float(rates["link"]), float(rates.get("latency") or 0.0)
-    flops_rate, mem_rate = float(rates["flops"]), float(rates["mem"])
+    def __init__(self, rates: dict[str, float]):
+        self.link = float(rates["link"])
+        self.latency = float(rates.get("latency") or 0.0)
+        self.flops = float(rates["flops"])
+        self.mem = float(rates["mem"])
 
-    def estimate(node: Any, override_size: int | None = None) -> float | None:
+    def __call__(self, node: Any, override_size: int | None = None) -> float | None:
+        from ..passes.graph import is_collective
+
         if is_collective(node):
             out = compat.node_values(node)[0][2]
             moved = (
                 int(override_size) if override_size else sum(int(t.numel()) * t.element_size() for t in _leaves(out))
             )
-            return (latency + moved / link) * 1e3
-        return _roofline_ms(node, flops_rate, mem_rate)
+            return (self.latency + moved / self.link) * 1e3
+        return _roofline_ms(node, self.flops, self.mem)
 
-    return estimate
+    def __repr__(self) -> str:  # stable across processes: part of inductor's cache key
+        return f"RuntimeEstimator(link={self.link!r}, latency={self.latency!r}, flops={self.flops!r}, mem={self.mem!r})"
+
+
+def runtime_estimator(rates: dict[str, float]) -> RuntimeEstimator:
+    return RuntimeEstimator(rates)
 
 
 def estimates(rates: dict[str, float]):
