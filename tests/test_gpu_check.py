@@ -1079,12 +1079,17 @@ def test_torch_passes_phase_runs_every_setting_this_torch_has_on_cpu(tmp_path, m
     the tiny Llama, a cold cache of its own): each setting this torch has compiles and is
     timed in turns, with its numbers and its generated code's collectives; a setting this
     torch lacks says so; torch's manual_overlap_bucketing, given our plan as a post-grad pass,
-    buckets the baseline's per-parameter all-gathers into one per plan entry."""
+    buckets the baseline's per-parameter all-gathers into one per plan entry. Inductor's lite
+    mode (``fallback_by_default``: every op an ATen call, no C++ kernels) keeps the test near
+    30 s instead of ~110 s: the passes, torch's and ours, and the collectives in the generated
+    code are the same (checked by hand: 21 / 4 / 4 / 1 forward all-gathers either way)."""
     from fsdp_overlap_plugin import _torch_compat as compat
+    from fsdp_overlap_plugin.config import inductor_overlap
     from fsdp_overlap_plugin.shard.hf import model_from_config
 
     torch.set_num_threads(1)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch._inductor.config, "fallback_by_default", True)
     tp = harness("torch_passes_phase")
     args = _tiny_args(tmp_path, "--pass-rounds", "2")  # 1 warm-up, then 2 rounds of 2 steps
     result = gc.phase_torch_passes(args)
@@ -1096,10 +1101,12 @@ def test_torch_passes_phase_runs_every_setting_this_torch_has_on_cpu(tmp_path, m
     assert list(settings) == list(tp.RUN_ORDER) and set(settings) == set(tp.SETTINGS)
     absent = {"simple"} if not have["simple_overlap"] else set()
     absent |= {"auto"} if not have["overlap_scheduling"] else set()
+    unsupported = {"auto"} - absent if inductor_overlap.device_error("auto", "cpu") else set()  # torch 2.11
     for name, r in settings.items():
-        if name in absent:
-            assert r["status"] == "absent" and r["error"].startswith(f"absent on torch {torch.__version__}: ")
-            assert "step_s" not in r and "compile_s" not in r
+        if name in absent | unsupported:
+            start = "absent on torch" if name in absent else "not on cpu with torch"
+            assert r["status"] == ("absent" if name in absent else "unsupported")
+            assert r["error"].startswith(f"{start} {torch.__version__}: ") and "step_s" not in r
             continue
         assert r["status"] == "ok", (name, r.get("error"))
         assert r["timed_steps"] == 4 and len(r["step_times"]) == 4 and len(r["losses"]) == 5
@@ -1124,7 +1131,7 @@ def test_torch_passes_phase_runs_every_setting_this_torch_has_on_cpu(tmp_path, m
     forward = next(g for g in manual["manual_pass"] if g["kind"] == "forward")
     assert (forward["before"]["all_gather"], forward["after"]["all_gather"]) == (params, 4)
     assert code["manual"]["forward"]["all_gather"] == 4 and code["manual"]["backward"]["reduce_scatter"] == 4
-    if "auto" not in absent:  # torch's own bucketing: fewer all-gathers than one per parameter
+    if "auto" not in absent | unsupported:  # torch's own bucketing: fewer all-gathers than one per parameter
         assert settings["auto"]["torch_passes"]["ran"] == ["overlap_scheduling"]
         assert 1 <= code["auto"]["forward"]["all_gather"] < params
     # the parent's section and checks

@@ -173,7 +173,7 @@ def run_settings(
     import torch
 
     from fsdp_overlap_plugin import _torch_compat as compat
-    from fsdp_overlap_plugin.config.inductor_overlap import setting_error
+    from fsdp_overlap_plugin.config.inductor_overlap import device_error, setting_error
 
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -196,6 +196,9 @@ def run_settings(
         why = setting_error(config["inductor_overlap"], _passes_on(config), config["backend"])
         if why is not None:
             r.update(status="absent", error=f"absent on torch {torch.__version__}: {why}")
+        elif (why := device_error(config["inductor_overlap"], device)) is not None:
+            r.update(status="unsupported", error=f"not on {device} with torch {torch.__version__}: {why}")
+        if why is not None:
             print(f"[torch-passes] {name}: {r['error']}", flush=True)
             continue
         try:
@@ -392,6 +395,9 @@ def summary_lines(result: dict[str, Any], phase_status: str) -> list[str]:
         f"{shape.get('batch', '?')} x {shape.get('seq', '?')}, a fake process group of {result.get('world', '?')} "
         "ranks; each setting built and compiled in turn (baseline first, into a cold kernel cache: the others "
         "reuse the kernels they share with it), then timed in rounds, the settings taking turns",
+        "- compile s: first step - median step; vs baseline: median step over the baseline's; step peak: the "
+        "most a timed step allocated above what was resident before it (every setting's model stays resident); "
+        "AG / RS: all-gather and reduce-scatter launches in inductor's generated code (a bucket counts once)",
         "",
         "| setting | status | compile s | step s | vs baseline | step peak GiB | first step peak GiB "
         "| AG fwd / AG bwd / RS bwd in code |",
