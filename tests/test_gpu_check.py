@@ -7,7 +7,6 @@ stops at once with a clear message."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -120,6 +119,7 @@ def test_the_default_run_and_the_phase_groups():
         (["--path-steps", "0"], "--path-steps must be >= 1"),
         (["--llama-rtol", "0"], "--llama-rtol must be between 0 and 1"),
         (["--cap", "world8=10"], "a phase needs at least 20 s"),
+        (["--pass-rounds", "0"], "--pass-rounds must be >= 1"),
     ],
 )
 def test_bad_llama_and_paths_arguments_exit_2(argv, message, capsys):
@@ -733,7 +733,7 @@ def _torch_passes() -> dict:
         "world": 8,
         "shape": {"n_layer": 2, "batch": 2, "seq": 4096},
         "passes_in_torch": {"simple_overlap": False, "overlap_scheduling": True},
-        "note": "fake process group: the compute side only",
+        "note": "collectives move no data, so step times are the compute side only",
         "settings": {
             "baseline": dict(ran, step_s=0.125, step_peak_bytes=3 * 2**30),
             "defaults": dict(ran, step_peak_bytes=2**30),
@@ -781,6 +781,7 @@ def test_parent_passes_when_every_phase_passes(tmp_path, monkeypatch, capsys):
         "- [x] torch-passes: manual_overlap_bucketing bucketed our plan: all-gathers 21 -> 4 over 1 graphs" in summary
     )
     assert "- [x] torch-passes: defaults ran: median step 0.1000 s" in summary
+    assert "On a fake process group: collectives move no data, so step times are the compute side only." in summary
 
 
 def test_parent_fails_loudly_on_a_loss_mismatch_and_a_failed_phase(tmp_path, monkeypatch, capsys):
@@ -1110,7 +1111,7 @@ def test_torch_passes_phase_runs_every_setting_this_torch_has_on_cpu(tmp_path, m
             continue
         assert r["status"] == "ok", (name, r.get("error"))
         assert r["timed_steps"] == 4 and len(r["step_times"]) == 4 and len(r["losses"]) == 5
-        assert all(math.isfinite(x) for x in r["losses"]) and 0 < r["step_s"] < r["first_step_s"]
+        assert 0 < r["step_s"] < r["first_step_s"]  # (no loss check: a fake process group gathers garbage)
         assert r["compile_s"] == pytest.approx(r["first_step_s"] - r["step_s"])
         assert r.get("step_peak_bytes") is None  # CPU: no allocator statistics
         assert set(r["code_collectives"]) == {"forward", "backward"}
