@@ -43,6 +43,20 @@ Opt-in (--phases gpt, or name them; ~250 s together), the ~1B-parameter GPT
                   passes on, run one step, check inductor's generated code  (~40 s)
     eager         compile: false (FSDP2 fully_shard per bucket), the baseline  (~25 s)
 
+Opt-in as well (--phases torch-passes, or all; issue 57), too long for the default budget
+beside the five default phases (~297 + ~120 s against --budget 345):
+
+    torch-passes ~120 s  inductor's own distributed passes vs ours, on world8's setup with 2 of
+                      Llama3-8B's layers (1.49B parameters), batch 2 x 4096, a fake process group of
+                      8 ranks, in one process: our defaults (inductor_overlap off); + simple (torch
+                      2.14+, else recorded as absent); our passes off + auto (torch's scheduler and
+                      bucketing, native reduce-scatter); our passes off + torch's
+                      manual_overlap_bucketing with our plan as inductor's post-grad pass (checked
+                      to bucket); our passes off alone (the baseline). Each compiled in turn (~20-30
+                      s each, four on torch 2.11), then timed in --pass-rounds rounds taking turns:
+                      compile time, median step (compute side only), step peak memory, collectives
+                      in the generated code, any error (a setting that fails does not stop the rest)
+
 They left the default run when the Llama phases came (issue 42): on a world of one the
 passes have no collectives to act on, so compiled-off and compiled-on compile nearly the
 same graph, and hf-1rank now measures the same compile path against torch's own FSDP2;
@@ -87,6 +101,7 @@ REPO = Path(__file__).resolve().parents[1]
 if (REPO / "fsdp_overlap_plugin").is_dir() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
+from _harness import torch_passes_phase  # noqa: E402
 from _harness.code_order import check_generated_code  # noqa: E402
 from _harness.gpu_models import (  # noqa: E402
     LLAMA_VARIANTS,
@@ -117,7 +132,18 @@ from _harness.tables import fmt, format_paths, format_table  # noqa: E402
 # The torch range pyproject.toml admits, read from it (the package's one statement of it).
 from fsdp_overlap_plugin._version import supported_range, torch_supported  # noqa: E402
 
-PHASES = ("matmul", "tests", "compiled-off", "compiled-on", "code-order", "eager", "hf-1rank", "world8", "paths")
+PHASES = (
+    "matmul",
+    "tests",
+    "compiled-off",
+    "compiled-on",
+    "code-order",
+    "eager",
+    "hf-1rank",
+    "world8",
+    "torch-passes",
+    "paths",
+)
 DEFAULT_PHASES = ("matmul", "tests", "hf-1rank", "world8", "paths")
 # names --phases also takes: a group of phases
 PHASE_GROUPS = {
@@ -143,6 +169,7 @@ DEFAULT_CAPS = {
     "eager": 90,
     "hf-1rank": 150,
     "world8": 150,
+    "torch-passes": 240,
     "paths": 150,
 }
 # What each phase is expected to take on one H200 or H100 with a cold compile cache (the
@@ -156,6 +183,7 @@ ESTIMATED_S = {
     "eager": 25,
     "hf-1rank": 70,
     "world8": 75,
+    "torch-passes": 120,
     "paths": 60,
 }
 MIN_PHASE_S = 20  # a phase that would get less than this is skipped, not started
@@ -213,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--llama-steps", type=int, default=12, help="timed steps per variant (after --warmup)")
     h.add_argument("--profile-steps", type=int, default=3, help="world8: plugin steps the profiler records")
     h.add_argument("--path-steps", type=int, default=40, help="paths: training steps of each example")
+    h.add_argument(
+        "--pass-rounds",
+        type=int,
+        default=3,
+        help="torch-passes: rounds in which the settings take turns; each runs --llama-steps / rounds steps a round",
+    )
     r = p.add_argument_group("time")
     r.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for all phases together")
     r.add_argument("--cap", action="append", default=[], metavar="PHASE=SECONDS", help="change one phase's time limit")
@@ -242,7 +276,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, found before anything is built or started."""
     errors = []
     names = ("n_layer", "d_model", "n_head", "vocab", "batch", "seq", "steps", "code_layers", "llama_steps")
-    for name in (*names, "profile_steps", "path_steps"):
+    for name in (*names, "profile_steps", "path_steps", "pass_rounds"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 1:
@@ -763,6 +797,57 @@ def phase_llama(args: argparse.Namespace, phase: str) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def phase_torch_passes(args: argparse.Namespace) -> dict[str, Any]:
+    """Inductor's own distributed passes vs ours (issue 57) on world8's setup with fewer
+    layers (``torch_passes_phase.LAYERS``): a fake process group of 8 ranks, Llama3-8B layer
+    shapes, world8's batch and plugin config, inductor on every device (the settings are
+    inductor's; on a CPU, tests only, the tiny Llama). Each setting this torch can run is
+    compiled and timed in this one process; see ``_harness/torch_passes_phase.py``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_overlap_plugin.models import counting_sequences
+    from fsdp_overlap_plugin.shard.hf import model_from_config
+
+    shape = llama_shape("world8", args._size)
+    if args._size == "default":
+        shape["n_layer"] = torch_passes_phase.LAYERS
+    device, world = args._device, shape["world"]
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("shard",))
+        tokens = counting_sequences(2 * shape["batch"], shape["seq"], shape["vocab"], seed=args.seed)
+        batches = [t.to(device) for t in tokens.split(shape["batch"])]
+        head = {
+            "shape": shape,
+            "world": world,
+            "params": llama_param_count(shape),
+            "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
+        }
+        result = torch_passes_phase.run_settings(
+            shape=shape,
+            base_config={**variant_config("compiled-on"), "backend": "inductor"},
+            device=device,
+            warmup=args.warmup,
+            steps=max(1, args.llama_steps // args.pass_rounds),
+            reps=args.pass_rounds,
+            lr=args.lr,
+            seed=args.seed,
+            build_model=lambda s, d: model_from_config(llama_config(s), device=d),
+            batches=batches,
+            mesh=mesh,
+            on_progress=lambda r: _save_partial(args, {**head, **r}),
+        )
+        return {**head, **result}
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- paths (examples)
 PATH_LABELS = {
     "lightning": "Lightning Trainer (examples/hf_lightning.py)",
@@ -881,6 +966,8 @@ def run_phase(args: argparse.Namespace) -> int:
             result = phase_train(args, args._phase)
         elif args._phase in LLAMA_PHASES:
             result = phase_llama(args, args._phase)
+        elif args._phase == "torch-passes":
+            result = phase_torch_passes(args)
         elif args._phase == "paths":
             result = phase_paths(args)
         else:
@@ -899,7 +986,8 @@ def run_phase(args: argparse.Namespace) -> int:
 
 # the options a phase process needs (the parent forwards them; everything else stays with it)
 FORWARDED = ("n_layer", "d_model", "n_head", "vocab", "batch", "seq", "steps", "warmup", "lr", "seed")
-FORWARDED += ("code_layers", "code_world", "llama_steps", "profile_steps", "path_steps", "_device", "_size")
+FORWARDED += ("code_layers", "code_world", "llama_steps", "profile_steps", "path_steps", "pass_rounds", "_device")
+FORWARDED += ("_size",)
 
 
 def child_command(args: argparse.Namespace, phase: str, result: str | Path) -> list[str]:
@@ -1013,6 +1101,9 @@ def evaluate(runs: dict[str, PhaseRun], args: argparse.Namespace) -> list[tuple[
         )
         checks.append(("generated code keeps the bucketed collectives in order", not problems, detail))
     checks += llama_checks(runs, args)
+    passes = runs.get("torch-passes")
+    if passes and passes.status == "ok":
+        checks += torch_passes_phase.checks(passes.result)
     paths = runs.get("paths")
     if paths and paths.status == "ok":
         for r in (paths.result.get("runs") or {}).values():
@@ -1186,6 +1277,9 @@ def write_files(
     if any(p in runs for p in LLAMA_PHASES):
         lines += ["", "## Transformers Llama: the plugin vs torch's FSDP2 (fully_shard + torch.compile)", ""]
         lines += llama_lines(args, runs, l_rows)
+    if "torch-passes" in runs:
+        lines += ["", "## Inductor's own distributed passes vs ours (torch-passes, issue 57)", ""]
+        lines += torch_passes_phase.summary_lines(runs["torch-passes"].result, runs["torch-passes"].status)
     if "paths" in runs:
         lines += ["", "## Lightning and Accelerate on the GPU (paths)", ""]
         paths = runs["paths"]

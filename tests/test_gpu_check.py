@@ -119,6 +119,7 @@ def test_the_default_run_and_the_phase_groups():
         (["--path-steps", "0"], "--path-steps must be >= 1"),
         (["--llama-rtol", "0"], "--llama-rtol must be between 0 and 1"),
         (["--cap", "world8=10"], "a phase needs at least 20 s"),
+        (["--pass-rounds", "0"], "--pass-rounds must be >= 1"),
     ],
 )
 def test_bad_llama_and_paths_arguments_exit_2(argv, message, capsys):
@@ -714,7 +715,32 @@ def _all_ok() -> dict:
         "code-order": {"status": "ok", "problems": [], "windows": {"forward": [{}] * 7, "backward": [{}] * 4}},
         "hf-1rank": _llama(1, _variant([10.0, 9.0, 8.0, 7.0], step_s=0.4), _variant([10.0, 9.01, 8.02, 7.03])),
         "world8": _llama(8, _variant([1.0, 1.0], step_s=0.15, code=code, profile=PROFILE), _variant([1.0, 1.0], 0.15)),
+        "torch-passes": _torch_passes(),
         "paths": _paths(_path([5.5, 5.4, 5.2, 5.0]), _path([5.5, 5.45, 5.3, 5.1])),
+    }
+
+
+def _torch_passes() -> dict:
+    """A torch-passes result as a torch 2.11 GPU would give it: simple absent, the rest ran."""
+    code = {"forward": {"all_gather": 4, "reduce_scatter": 0}, "backward": {"all_gather": 2, "reduce_scatter": 4}}
+    ran = {"status": "ok", "compile_s": 20.0, "first_step_s": 20.1, "step_s": 0.1, "code_collectives": code}
+    counts = {"all_gather": 21, "reduce_scatter": 0}
+    graph = {"kind": "forward", "before": counts, "after": dict(counts, all_gather=4), "pass_s": 0.3}
+    return {
+        "status": "ok",
+        "torch": "2.11.0+cu130",
+        "device": "NVIDIA H200",
+        "world": 8,
+        "shape": {"n_layer": 2, "batch": 2, "seq": 4096},
+        "passes_in_torch": {"simple_overlap": False, "overlap_scheduling": True},
+        "note": "collectives move no data, so step times are the compute side only",
+        "settings": {
+            "baseline": dict(ran, step_s=0.125, step_peak_bytes=3 * 2**30),
+            "defaults": dict(ran, step_peak_bytes=2**30),
+            "simple": {"status": "absent", "error": "absent on torch 2.11.0+cu130: inductor_overlap: simple needs"},
+            "auto": {"status": "failed", "error": "InductorError: realize NYI on Subgraph\nmore"},
+            "manual": dict(ran, step_s=0.11, bucketed=True, plan=[["a"]] * 4, manual_pass=[graph]),
+        },
     }
 
 
@@ -738,6 +764,24 @@ def test_parent_passes_when_every_phase_passes(tmp_path, monkeypatch, capsys):
     ]
     assert "fake eager running" in (tmp_path / "phases.log").read_text()
     assert "all checks passed" in (tmp_path / "console.log").read_text()
+    # torch-passes: its table, what is absent, what failed (a finding, not a failed check)
+    assert "## Inductor's own distributed passes vs ours (torch-passes, issue 57)" in summary
+    assert (
+        "| baseline: our passes off, nothing of torch's | ok | 20.0 | 0.1250 | 1.000 | 3.00 | - | 4 / 2 / 4 |"
+        in summary
+    )
+    assert (
+        "| defaults: our passes, inductor_overlap: off (the defaults) | ok | 20.0 | 0.1000 | 0.800 | 1.00 |" in summary
+    )
+    assert "| simple: our passes + inductor_overlap: simple | absent | - | - | - | - | - | - |" in summary
+    assert "- simple: absent on torch 2.11.0+cu130: inductor_overlap: simple needs" in summary
+    assert "- auto: InductorError: realize NYI on Subgraph\n" in summary
+    assert "manual_overlap_bucketing on our graphs (4 plan entries): forward all-gathers 21 -> 4" in summary
+    assert (
+        "- [x] torch-passes: manual_overlap_bucketing bucketed our plan: all-gathers 21 -> 4 over 1 graphs" in summary
+    )
+    assert "- [x] torch-passes: defaults ran: median step 0.1000 s" in summary
+    assert "On a fake process group: collectives move no data, so step times are the compute side only." in summary
 
 
 def test_parent_fails_loudly_on_a_loss_mismatch_and_a_failed_phase(tmp_path, monkeypatch, capsys):
@@ -1028,3 +1072,87 @@ def test_a_llama_phase_through_the_parent_on_cpu(tmp_path):
     assert "- [x] hf-1rank: losses agree: fully_shard vs plugin" in summary
     variants = json.loads((tmp_path / "results.json").read_text())["phases"]["hf-1rank"]["result"]["variants"]
     assert [len(v["losses"]) for v in variants.values()] == [4, 4]
+
+
+@pytest.mark.slow
+def test_torch_passes_phase_runs_every_setting_this_torch_has_on_cpu(tmp_path, monkeypatch):
+    """torch-passes' process function on a fake process group of 8 ranks on CPU (inductor,
+    the tiny Llama, a cold cache of its own): each setting this torch has compiles and is
+    timed in turns, with its numbers and its generated code's collectives; a setting this
+    torch lacks says so; torch's manual_overlap_bucketing, given our plan as a post-grad pass,
+    buckets the baseline's per-parameter all-gathers into one per plan entry. Inductor's lite
+    mode (``fallback_by_default``: every op an ATen call, no C++ kernels) keeps the test near
+    30 s instead of ~110 s: the passes, torch's and ours, and the collectives in the generated
+    code are the same (checked by hand: 21 / 4 / 4 / 1 forward all-gathers either way)."""
+    from fsdp_overlap_plugin import _torch_compat as compat
+    from fsdp_overlap_plugin.config import inductor_overlap
+    from fsdp_overlap_plugin.shard.hf import model_from_config
+
+    torch.set_num_threads(1)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch._inductor.config, "fallback_by_default", True)
+    tp = harness("torch_passes_phase")
+    args = _tiny_args(tmp_path, "--pass-rounds", "2")  # 1 warm-up, then 2 rounds of 2 steps
+    result = gc.phase_torch_passes(args)
+    shape = gm.llama_shape("world8", "tiny")
+    have = compat.inductor_distributed_passes()
+    assert result["torch"] == torch.__version__ and result["passes_in_torch"] == have
+    assert result["world"] == 8 and result["shape"] == shape and "compute side only" in result["note"]
+    settings = result["settings"]
+    assert list(settings) == list(tp.RUN_ORDER) and set(settings) == set(tp.SETTINGS)
+    absent = {"simple"} if not have["simple_overlap"] else set()
+    absent |= {"auto"} if not have["overlap_scheduling"] else set()
+    unsupported = {"auto"} - absent if inductor_overlap.device_error("auto", "cpu") else set()  # torch 2.11
+    for name, r in settings.items():
+        if name in absent | unsupported:
+            start = "absent on torch" if name in absent else "not on cpu with torch"
+            assert r["status"] == ("absent" if name in absent else "unsupported")
+            assert r["error"].startswith(f"{start} {torch.__version__}: ") and "step_s" not in r
+            continue
+        assert r["status"] == "ok", (name, r.get("error"))
+        assert r["timed_steps"] == 4 and len(r["step_times"]) == 4 and len(r["losses"]) == 5
+        assert 0 < r["step_s"] < r["first_step_s"]  # (no loss check: a fake process group gathers garbage)
+        assert r["compile_s"] == pytest.approx(r["first_step_s"] - r["step_s"])
+        assert r.get("step_peak_bytes") is None  # CPU: no allocator statistics
+        assert set(r["code_collectives"]) == {"forward", "backward"}
+    # the tiny Llama: 21 parameters (2 layers of 9, embedding, norm, head), 4 plan entries
+    params = len(list(model_from_config(gm.llama_config(shape), device="meta").parameters()))
+    code = {name: r["code_collectives"] for name, r in settings.items() if r["status"] == "ok"}
+    assert code["baseline"]["forward"]["all_gather"] == params == 21
+    assert code["baseline"]["backward"]["reduce_scatter"] == params
+    assert code["defaults"]["forward"]["all_gather"] == 4 and code["defaults"]["backward"]["reduce_scatter"] == 4
+    assert settings["defaults"]["collectives"]["forward"]["all_gather"] == 4  # our report agrees with the code
+    manual = settings["manual"]
+    assert manual["bucketed"] and manual["plan"] == [
+        ["model.embed_tokens"],
+        ["model.layers.0"],
+        ["model.layers.1"],
+        ["model.norm", "lm_head"],
+    ]
+    forward = next(g for g in manual["manual_pass"] if g["kind"] == "forward")
+    assert (forward["before"]["all_gather"], forward["after"]["all_gather"]) == (params, 4)
+    assert code["manual"]["forward"]["all_gather"] == 4 and code["manual"]["backward"]["reduce_scatter"] == 4
+    if "auto" not in absent | unsupported:  # torch's own bucketing: fewer all-gathers than one per parameter
+        assert settings["auto"]["torch_passes"]["ran"] == ["overlap_scheduling"]
+        assert 1 <= code["auto"]["forward"]["all_gather"] < params
+    # the parent's section and checks
+    run = ph.PhaseRun("torch-passes", "ok", result=_json(result))
+    lines = tp.summary_lines(run.result, run.status)
+    table = [line for line in lines if line.startswith("| ") and ": " in line.split("|")[1]]
+    assert [row.split("|")[1].strip().split(":")[0] for row in table] == list(tp.SETTINGS)
+    assert "| baseline: our passes off, nothing of torch's | ok |" in "\n".join(lines)
+    assert "| 1.000 |" in next(row for row in table if row.startswith("| baseline:"))
+    assert "| defaults: our passes, inductor_overlap: off (the defaults) | ok |" in "\n".join(lines)
+    assert f"| manual: {tp.SETTINGS['manual']} | ok |" in "\n".join(lines)
+    assert "| 4 / " in next(row for row in table if row.startswith("| manual:"))
+    for name in absent:
+        assert f"| {name}: {tp.SETTINGS[name]} | absent |" in "\n".join(lines)
+        assert f"- {name}: absent on torch {torch.__version__}: " in "\n".join(lines)
+    assert "compute side only" in "\n".join(lines)
+    checks = tp.checks(run.result)
+    assert [name for name, _, _ in checks] == [
+        "torch-passes: defaults ran",
+        "torch-passes: baseline ran",
+        "torch-passes: manual_overlap_bucketing bucketed our plan",
+    ]
+    assert all(ok for _, ok, _ in checks), checks
