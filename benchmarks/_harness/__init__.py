@@ -15,4 +15,5 @@
     profiling     gpu_check.py's compute profile: profiler rows, kinds, aggregation
     phases        gpu_check.py's phase processes: run with a time limit, results, junit
     code_order    gpu_check.py's code-order oracle: all-gathers in inductor's code
+    torch_passes_phase  gpu_check.py's torch-passes phase: inductor's own distributed passes vs ours
 """
