@@ -218,6 +218,10 @@ from _harness.trace import LinkSampler, link_phases, print_trace, trace_step, tr
 
 # =============================================================================== parent
 
+# the user's inductor cache, read before anything imports torch: torch's cache_dir() writes its
+# default into os.environ, which would then pass for the user's choice
+USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
 
 def parse_mode_configs(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, dict]:
     """``--mode-config NAME=YAML``: mode name -> the plugin config keys in YAML (checked
@@ -254,7 +258,7 @@ def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dic
     env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if "--memory" in args.worker_args else {}
     # a fresh inductor cache per launch: compile times are cold ones, and no graph of an
     # earlier run skips a mode's post-grad passes (torch-manual's counts come from its pass)
-    env["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(out_dir / "inductor_cache")
+    env["TORCHINDUCTOR_CACHE_DIR"] = USER_CACHE_DIR or str(out_dir / "inductor_cache")
     return run_workers(__file__, args.worker_args, out_dir, args.timeout, use_netns, env)
 
 

@@ -498,3 +498,25 @@ def test_memory_summary_keeps_a_failed_mode():
     assert summary["rows"]["fsdp2-eager"]["compile_s"] == 4.0 and summary["rows"]["fsdp2-eager"]["peak_mib"] == 2.0
     assert summary["rows"]["torch-manual"] == {"failed": "RuntimeError: no", "peak_mib": None, "x_eager": None}
     step_time.print_memory_table(summary, "header")  # formats
+
+
+def test_each_launch_gets_a_fresh_inductor_cache(monkeypatch, tmp_path):
+    """The workers compile into a cache of their own (cold compile times; no entry of an
+    earlier run skips torch-manual's pass), even though importing torch has written its
+    default cache folder into os.environ; a cache the user named is kept."""
+    import argparse
+    import os
+
+    from fsdp_overlap_plugin import _torch_compat
+
+    _torch_compat.inductor_cache_dir()  # torch's cache_dir(): sets os.environ's entry
+    seen = []
+    monkeypatch.setattr(step_time, "run_workers", lambda *args: seen.append(args[5]) or [])
+    monkeypatch.setattr(step_time, "USER_CACHE_DIR", None)
+    args = argparse.Namespace(worker_args=["--modes", "both"], timeout=10)
+    step_time.launch(args, tmp_path, False)
+    assert seen[-1]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor_cache")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != seen[-1]["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setattr(step_time, "USER_CACHE_DIR", "/somewhere/mine")
+    step_time.launch(args, tmp_path, False)
+    assert seen[-1]["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
