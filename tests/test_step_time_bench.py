@@ -520,3 +520,27 @@ def test_each_launch_gets_a_fresh_inductor_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(step_time, "USER_CACHE_DIR", "/somewhere/mine")
     step_time.launch(args, tmp_path, False)
     assert seen[-1]["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
+
+
+def test_default_mode_list_skips_what_this_torch_cannot_run(monkeypatch, capsys, tmp_path):
+    """Named, a mode this torch cannot run is an error (above); in the default list it is
+    left out with a line saying why, and the rest runs."""
+    import sys
+
+    from fsdp_overlap_plugin import _torch_compat
+
+    monkeypatch.setattr(_torch_compat, "TORCH_VERSION", "2.11.0")
+    launched = []
+    monkeypatch.setattr(step_time, "launch_on_link", lambda args, out, netns: launched.append(args) or [])
+    monkeypatch.setattr(step_time, "summarize", lambda *a: {})
+    monkeypatch.setattr(step_time, "print_table", lambda *a: None)
+    monkeypatch.setattr(step_time.signal, "signal", lambda *a: None)  # main's handlers: not in pytest
+    monkeypatch.setattr(step_time.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--loopback"])
+    step_time.main()
+    assert "skipped mode torch-auto: inductor_overlap: auto on cpu needs torch 2.13" in capsys.readouterr().out
+    modes = launched[0].worker_args[launched[0].worker_args.index("--modes") + 1].split(",")
+    assert modes == [m for m in step_time.ALL_MODES if m != "torch-auto"]
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--loopback", "--modes", "both,torch-auto"])
+    with pytest.raises(SystemExit):
+        step_time.main()
