@@ -188,6 +188,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -258,8 +259,12 @@ def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dic
     env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if "--memory" in args.worker_args else {}
     # a fresh inductor cache per launch: compile times are cold ones, and no graph of an
     # earlier run skips a mode's post-grad passes (torch-manual's counts come from its pass)
-    env["TORCHINDUCTOR_CACHE_DIR"] = USER_CACHE_DIR or str(out_dir / "inductor_cache")
-    return run_workers(__file__, args.worker_args, out_dir, args.timeout, use_netns, env)
+    fresh = out_dir / "inductor_cache"
+    env["TORCHINDUCTOR_CACHE_DIR"] = USER_CACHE_DIR or str(fresh)
+    try:
+        return run_workers(__file__, args.worker_args, out_dir, args.timeout, use_netns, env)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)  # the logs stay
 
 
 def summarize(results: list[dict], rate_bps: float | None) -> dict:

@@ -511,11 +511,18 @@ def test_each_launch_gets_a_fresh_inductor_cache(monkeypatch, tmp_path):
 
     _torch_compat.inductor_cache_dir()  # torch's cache_dir(): sets os.environ's entry
     seen = []
-    monkeypatch.setattr(step_time, "run_workers", lambda *args: seen.append(args[5]) or [])
+
+    def run_workers(*args):
+        seen.append(args[5])
+        (tmp_path / "inductor_cache" / "fxgraph").mkdir(parents=True, exist_ok=True)  # what torch writes
+        return []
+
+    monkeypatch.setattr(step_time, "run_workers", run_workers)
     monkeypatch.setattr(step_time, "USER_CACHE_DIR", None)
     args = argparse.Namespace(worker_args=["--modes", "both"], timeout=10)
     step_time.launch(args, tmp_path, False)
     assert seen[-1]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor_cache")
+    assert not (tmp_path / "inductor_cache").exists()  # removed after the run
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != seen[-1]["TORCHINDUCTOR_CACHE_DIR"]
     monkeypatch.setattr(step_time, "USER_CACHE_DIR", "/somewhere/mine")
     step_time.launch(args, tmp_path, False)
