@@ -29,9 +29,29 @@ left to the root).
                        each prefetch after the previous bucket's copy-out, each gradient
                        reduce-scatter waited before the next one's copy-in (only with
                        --modes)
-    torch-auto         torch's own overlap scheduler (aten_distributed_optimizations),
-                       made to run on CPU (roofline estimates from measured CPU rates,
-                       collectives costed at the link rate)
+    torch-auto         torch's own overlap scheduler and collective bucketing on our
+                       sharded graphs: inductor_overlap: auto with our passes off
+                       (manual_bucketing and overlap_grad_reduce false, gloo's
+                       reduce-scatter), costed by the package from hardware: the cpu preset
+                       with its link at --rate (cpu-gloo-300mbit,link=37.5MB/s at 300mbit;
+                       latency and compute rates the preset's)
+    torch-manual       our sharding compiled, our passes off (gloo's reduce-scatter), and
+                       torch's own manual_overlap_bucketing (torch._inductor.fx_passes.
+                       overlap_manual_scheduling) as inductor's post-grad custom pass with
+                       `both`'s bucket plan, set as torchtitan's SimpleFSDP sets it
+                       (insert_overlap_deps, no reorder for peak memory, no buffer reuse);
+                       after the table, each graph's collectives before -> after it. If
+                       torch's pass fails on our graphs, the row says "failed: <error>" and
+                       the other modes run on (only with --modes)
+    compiled+simple    compiled, our passes off (gloo's reduce-scatter), inductor_overlap:
+                       simple: torch 2.14+'s simple overlap pass, what a torch user gets by
+                       default without our passes (torch >= 2.14; only with --modes)
+    both+simple        the defaults with inductor_overlap: simple (torch >= 2.14; only
+                       with --modes)
+    both+suggest       the defaults with the bucket plan and prefetch depth that
+                       `fsdp-overlap suggest` picks for this model, world and batch at
+                       --rate (the same hardware as torch-auto's), printed when it is built
+                       (only with --modes)
     compute-only       the same model and per-rank batch, unsharded, compiled: no comm
     compute-only-eager the same, not compiled: the eager modes' compute (only with --modes)
     comm-only          the collectives of one `both` step (forward and backward graphs,
@@ -69,6 +89,12 @@ Models (``--model``, sized by ``--model-size``, default ``small``):
 
 Losses agree across modes (the table's last column: the largest difference from
 fsdp2-eager over the timed steps, which see the same batches in every mode).
+
+Compile time (``compile s``): each mode's first warm-up step (Dynamo, AOT autograd and
+inductor for the forward and backward graphs, and that step), the slower rank's. The workers
+share one fresh inductor cache per run (``TORCHINDUCTOR_CACHE_DIR`` from the environment if
+set): the first compiled mode builds kernels a later mode may find in it, so compare compile
+times in ``--memory`` runs (each mode in fresh processes with its own fresh cache).
 
 Variable sequence lengths (``--lengths 64,96,128``): step k of every mode, warm-up steps
 included, trains on a batch of length ``lengths[k % len(lengths)]`` (the fixed batches cut
@@ -162,6 +188,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -183,6 +210,7 @@ from _harness.runners import (
     ModelRunner,
     dynamo_graphs,
     make_runner,
+    mode_torch_error,
     use_recv_first_kernels,
 )
 from _harness.steps import timed_steps
@@ -190,6 +218,10 @@ from _harness.tables import time_stats
 from _harness.trace import LinkSampler, link_phases, print_trace, trace_step, trace_summary
 
 # =============================================================================== parent
+
+# the user's inductor cache, read before anything imports torch: torch's cache_dir() writes its
+# default into os.environ, which would then pass for the user's choice
+USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def parse_mode_configs(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, dict]:
@@ -225,7 +257,14 @@ def launch_on_link(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> 
 
 def launch(args: argparse.Namespace, out_dir: Path, use_netns: bool) -> list[dict]:
     env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if "--memory" in args.worker_args else {}
-    return run_workers(__file__, args.worker_args, out_dir, args.timeout, use_netns, env)
+    # a fresh inductor cache per launch: compile times are cold ones, and no graph of an
+    # earlier run skips a mode's post-grad passes (torch-manual's counts come from its pass)
+    fresh = out_dir / "inductor_cache"
+    env["TORCHINDUCTOR_CACHE_DIR"] = USER_CACHE_DIR or str(fresh)
+    try:
+        return run_workers(__file__, args.worker_args, out_dir, args.timeout, use_netns, env)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)  # the logs stay
 
 
 def summarize(results: list[dict], rate_bps: float | None) -> dict:
@@ -240,6 +279,10 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
             "lengths": data.get("lengths"),
             "compiles_warm": [res["modes"][mode].get("compiles_warm") for res in results],
             "compiles": [res["modes"][mode].get("compiles") for res in results],
+            "compile_s": _max_or_none(res["modes"][mode].get("compile_s") for res in results),
+            "failed": next((res["modes"][mode]["failed"] for res in results if res["modes"][mode].get("failed")), None),
+            "torch_pass": data.get("torch_pass"),
+            "suggest": data.get("suggest"),
         }
     eager_losses = rows.get("fsdp2-eager", {}).get("losses")
     for row in rows.values():  # the same batches in every mode: step i of each is comparable
@@ -258,6 +301,9 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
     ideal_bytes = r0.get("ideal_bytes")
     ideal = max(compute, ideal_bytes * 8 / rate_bps) if compute and ideal_bytes and rate_bps else None
     for mode, row in rows.items():
+        if row["failed"]:  # its "steps" did nothing: no ratios
+            row.update(x_eager=None, x_transport=None, x_ideal=None, x_overlap=None, x_recv_first=None)
+            continue
         own = replays.get(OWN_REPLAY.get(mode, "comm-only+native"))
         bound = max(compute, own) if compute and own else None
         row["x_eager"] = row["median_s"] / eager if eager else None
@@ -280,11 +326,55 @@ def summarize(results: list[dict], rate_bps: float | None) -> dict:
     }
 
 
+def _max_or_none(values) -> float | None:
+    found = [v for v in values if v is not None]
+    return max(found) if found else None
+
+
+def _first_lines(text: str, lines: int = 3, width: int = 400) -> str:
+    """An error's first lines, joined, cut at ``width`` characters (the JSON keeps it whole)."""
+    short = " | ".join(line.strip() for line in text.strip().splitlines()[:lines] if line.strip())
+    return short if len(short) <= width else short[: width - 3] + "..."
+
+
+def torch_pass_lines(rows: dict) -> list[str]:
+    """Per torch-manual row, what torch's pass did to each compiled graph (rank 0): its
+    all-gathers and reduce-scatters before -> after; and the plan both+suggest took."""
+    lines = []
+    for mode, row in rows.items():
+        runs = row.get("torch_pass")
+        if runs is not None and not row.get("failed"):
+            if not runs:
+                lines.append(f"{mode}: torch's manual_overlap_bucketing did NOT run on any graph (a graph cache hit?)")
+            else:
+                graphs = "; ".join(
+                    f"{run['graph']} all-gathers {run['before']['all_gather']} -> {run['after']['all_gather']}, "
+                    f"reduce-scatters {run['before']['reduce_scatter']} -> {run['after']['reduce_scatter']}"
+                    for run in runs
+                )
+                lines.append(f"{mode}: torch's manual_overlap_bucketing ran on {len(runs)} graphs: {graphs}")
+        pick = row.get("suggest")
+        if pick:
+            lines.append(
+                f"{mode}: fsdp-overlap suggest at {pick['hardware']} picked {pick['words']}, prefetch_depth "
+                f"{pick['depth']} (predicted {pick['predicted_step_s']:.3f} s/step): bucket_plans {pick['plan']}"
+            )
+    return lines
+
+
+def print_torch_pass_lines(rows: dict) -> None:
+    for line in torch_pass_lines(rows):
+        print(line)
+
+
 def print_table(summary: dict, header: str) -> None:
     print(header)
     cols = f"{'mode':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'x eager':>8} {'x transp.':>9} {'x ideal':>8}"
-    print(cols + f" {'step RSS +MiB r0/r1':>20}  loss first -> last  max |loss - eager|")
+    print(cols + f" {'compile s':>9} {'step RSS +MiB r0/r1':>20}  loss first -> last  max |loss - eager|")
     for mode, row in summary["rows"].items():
+        if row.get("failed"):
+            print(f"{mode:<20} failed: {_first_lines(row['failed'])}")
+            continue
 
         def ratio(key: str, row: dict = row) -> str:
             return f"{row[key]:.2f}" if row[key] else "-"
@@ -294,9 +384,10 @@ def print_table(summary: dict, header: str) -> None:
         diff = row.get("max_loss_diff_vs_eager")
         loss += f"  {diff:.1e}" if diff is not None else ""
         rss = "/".join(f"{x:.0f}" for x in row["peak_rss_mib"])
+        compile_s = f"{row['compile_s']:.1f}" if row.get("compile_s") is not None else "-"
         print(
             f"{mode:<20} {row['median_s']:>9.3f} {row['min_s']:>7.3f} {row['max_s']:>7.3f} {ratio('x_eager'):>8} "
-            f"{ratio('x_transport'):>9} {ratio('x_ideal'):>8} {rss:>20}  {loss}"
+            f"{ratio('x_transport'):>9} {ratio('x_ideal'):>8} {compile_s:>9} {rss:>20}  {loss}"
         )
     t, i = summary["transport_bound_s"], summary["ideal_bound_s"]
     compiled = {m: r for m, r in summary["rows"].items() if any(c is not None for c in r.get("compiles") or [])}
@@ -307,7 +398,9 @@ def print_table(summary: dict, header: str) -> None:
         )
         print(f"Dynamo graphs per compiled mode r0/r1 (after warm-up -> after the timed steps): {counts}")
     print("max |loss - eager|: over the timed steps (same batches in every mode); compute-only trains each rank")
-    print("on its half batch without averaging, so it differs by design.")
+    print("on its half batch without averaging, so it differs by design. compile s: the first warm-up step,")
+    print("the slower rank's (one fresh inductor cache per run: a later mode may reuse an earlier one's kernels).")
+    print_torch_pass_lines(summary["rows"])
     print("step RSS +MiB: the largest increase of resident memory during one step (gathered parameters,")
     print(f"activations, buffers) over the RSS at its start; process peak RSS r0/r1: {summary['process_peak_rss_mib']}")
     print(
@@ -376,7 +469,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="repetitions; modes are interleaved within each")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode (the first compiles)")
     parser.add_argument(
-        "--modes", default=",".join(ALL_MODES), help="comma-separated subset of: " + ", ".join(ALL_MODES)
+        "--modes",
+        default=",".join(ALL_MODES),
+        help="comma-separated, in order (default: "
+        + ", ".join(ALL_MODES)
+        + "); only when named: "
+        + ", ".join(EXTRA_MODES),
     )
     parser.add_argument(
         "--quick",
@@ -422,7 +520,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     modes = (
-        QUICK_MODES
+        list(QUICK_MODES)
         if args.quick and args.modes == ",".join(ALL_MODES)
         else [m.strip() for m in args.modes.split(",") if m.strip()]
     )
@@ -430,6 +528,13 @@ def main() -> None:
     unknown = [m for m in modes if m not in ALL_MODES + EXTRA_MODES + list(custom)]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; valid: {', '.join(ALL_MODES + EXTRA_MODES)}")
+    for mode in list(modes):  # torch's own passes: this torch must have them (not found out in a worker)
+        why = mode_torch_error(mode)
+        if why and args.modes == ",".join(ALL_MODES):  # the default list: run what this torch can
+            print(f"skipped {why}", flush=True)
+            modes.remove(mode)
+        elif why:
+            parser.error(why)
     for replay, source in REPLAYS.items():  # (--memory skips the replays)
         if not args.memory and replay in modes and (source not in modes or modes.index(source) > modes.index(replay)):
             parser.error(f"{replay} replays the collectives of a `{source}` step: list `{source}` before it")
@@ -543,6 +648,10 @@ def run_memory(args: argparse.Namespace, modes: list[str], use_netns: bool, why:
         worker_args[worker_args.index("--modes") + 1] = mode
         args_mode = argparse.Namespace(**{**vars(args), "worker_args": [*worker_args, "--memory"]})
         results[mode] = launch_on_link(args_mode, out_dir, use_netns)
+        failed = next((r["failed"] for r in results[mode] if r.get("failed")), None)
+        if failed:
+            print(f"[{mode}] failed: {_first_lines(failed)} ({time.time() - t:.0f} s)", flush=True)
+            continue
         peak = max(r["memory"]["peak_bytes"] for r in results[mode]) / 2**20
         print(f"[{mode}] peak {peak:.1f} MiB/rank ({time.time() - t:.0f} s)", flush=True)
     summary = summarize_memory(results)
@@ -558,6 +667,10 @@ def summarize_memory(results: dict[str, list[dict]]) -> dict:
     mib = 2**-20
     rows = {}
     for mode, ranks in results.items():
+        failed = next((r["failed"] for r in ranks if r.get("failed")), None)
+        if failed:
+            rows[mode] = {"failed": failed, "peak_mib": None}
+            continue
         mem = [r["memory"] for r in ranks]
         rss = [m["rss_hwm_increase_bytes"] for m in mem]
         rows[mode] = {
@@ -567,10 +680,13 @@ def summarize_memory(results: dict[str, list[dict]]) -> dict:
             "step_peak_mib": max(m["step_peak_bytes"] for m in mem) * mib,
             "rss_hwm_increase_mib": [x * mib if x is not None else None for x in rss],
             "source": mem[0].get("peak_source", "profiler"),
+            "compile_s": _max_or_none(r.get("compile_s") for r in ranks),
+            "torch_pass": ranks[0].get("torch_pass"),
+            "suggest": ranks[0].get("suggest"),
         }
     eager = rows.get("fsdp2-eager", {}).get("peak_mib")
     for row in rows.values():
-        row["x_eager"] = row["peak_mib"] / eager if eager else None
+        row["x_eager"] = row["peak_mib"] / eager if eager and row["peak_mib"] is not None else None
     return {"rows": rows}
 
 
@@ -578,17 +694,21 @@ def print_memory_table(summary: dict, header: str) -> None:
     print(header)
     print(
         f"{'mode':<20} {'peak MiB':>9} {'r0/r1':>13} {'x eager':>8} {'held MiB':>9} {'step +MiB r0/r1':>16}"
-        f" {'profiler +MiB':>14}"
+        f" {'profiler +MiB':>14} {'compile s':>9}"
     )
     sources = set()
     for mode, row in summary["rows"].items():
+        if row.get("failed"):
+            print(f"{mode:<20} failed: {_first_lines(row['failed'])}")
+            continue
+        compile_s = f"{row['compile_s']:.1f}" if row.get("compile_s") is not None else "-"
         ranks = "/".join(f"{x:.1f}" for x in row["peak_mib_per_rank"])
         ratio = f"{row['x_eager']:.2f}" if row["x_eager"] else "-"
         rss = "/".join("-" if x is None else f"{x:.1f}" for x in row["rss_hwm_increase_mib"])
         sources.add(row.get("source", "profiler"))
         print(
             f"{mode:<20} {row['peak_mib']:>9.1f} {ranks:>13} {ratio:>8} {row['state_mib']:>9.1f}"
-            f" {rss:>16} {row['step_peak_mib']:>14.1f}"
+            f" {rss:>16} {row['step_peak_mib']:>14.1f} {compile_s:>9}"
         )
     if sources == {"rss"}:
         print("peak MiB = held + step +MiB, max over ranks. held: parameter shards, gradients and buffers at a")
@@ -598,6 +718,10 @@ def print_memory_table(summary: dict, header: str) -> None:
         print("worker threads, so it reads high for modes whose collectives complete there (docstring).")
     else:
         print("peak MiB = held + profiler +MiB (the RSS high-water mark could not be reset here), max over ranks.")
+    print(
+        "compile s: the first warm-up step, the slower rank's (each mode in fresh processes, a fresh inductor cache)."
+    )
+    print_torch_pass_lines(summary["rows"])
 
 
 def draw_link_timeline(link: dict, path: str) -> None:
@@ -655,6 +779,8 @@ def worker(args: argparse.Namespace) -> None:
 
     def ready(mode: str, runner) -> None:
         results[mode]["compiles_warm"] = dynamo_graphs(runner)
+        results[mode]["compile_s"] = getattr(runner, "first_step_s", None)
+        results[mode].update(runner_notes(runner))
 
     def stepped(mode: str, runner, index: int) -> None:
         results[mode]["peak_rss_mib"] = max(results[mode]["peak_rss_mib"], runner.peak_rss)
@@ -664,7 +790,7 @@ def worker(args: argparse.Namespace) -> None:
     runners, step_index = timed_steps(
         modes,
         lambda mode, built: make_runner(
-            mode, args.model, args.model_size, built, rate_bps, world, args.plan, custom=custom
+            mode, args.model, args.model_size, built, rate_bps, world, args.plan, custom=custom, log=log
         ),
         data,
         results,
@@ -679,6 +805,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     for mode, runner in runners.items():
         results[mode]["compiles"] = dynamo_graphs(runner)
+        results[mode].update(runner_notes(runner))  # a failure in a timed step (a recompile) too
     if rank == 0:  # each sharded mode's schedule report: what costmodel_check.py predicts from
         import fsdp_overlap_plugin as fo
 
@@ -715,6 +842,23 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def runner_notes(runner) -> dict:
+    """What a mode's runner knows beyond its times: its failure (torch-manual), what torch's
+    pass did to each graph, the plan both+suggest took."""
+    notes: dict = {}
+    if getattr(runner, "failed", None):
+        notes["failed"] = runner.failed
+    info = getattr(runner, "info", None) or {}
+    if "suggest" in info:
+        notes["suggest"] = info["suggest"]
+    patch = getattr(runner, "patch", None) or {}
+    custom = patch.get("post_grad_custom_post_pass")
+    if custom is not None and hasattr(custom, "runs"):
+        notes["torch_pass"] = list(custom.runs)
+        notes["plan"] = info.get("plan")
+    return notes
+
+
 def fo_read_yaml(path: str) -> dict:
     from fsdp_overlap_plugin.config.parse import read_yaml
 
@@ -728,12 +872,22 @@ def memory_worker(args: argparse.Namespace, modes: list[str], rank: int, world: 
     (mode,) = modes
     vocab, seq = vocab_and_seq(args.model, args.model_size)
     data = _data(vocab, seq, world, args.warmup + 3)
-    runner = make_runner(mode, args.model, args.model_size, {}, rate_bps, world, args.plan)
+    log = (lambda msg: print(msg, flush=True)) if rank == 0 else None
+    runner = make_runner(mode, args.model, args.model_size, {}, rate_bps, world, args.plan, log=log)
     t = time.perf_counter()
     losses = [runner.step(batch) for batch in data[: args.warmup]]
     warm = time.perf_counter() - t
-    memory = measure_step_memory(runner, data[args.warmup :], dist.barrier)
-    out = {"rank": rank, "mode": mode, "memory": memory, "warmup_s": warm, "losses": losses}
+    notes = runner_notes(runner)
+    memory = None if notes.get("failed") else measure_step_memory(runner, data[args.warmup :], dist.barrier)
+    out = {
+        "rank": rank,
+        "mode": mode,
+        "memory": memory,
+        "warmup_s": warm,
+        "compile_s": getattr(runner, "first_step_s", None),
+        "losses": losses,
+        **notes,
+    }
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

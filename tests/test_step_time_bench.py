@@ -303,3 +303,251 @@ def test_dynamic_lengths_summary():
     assert summary["rows"]["dynamic"]["compiles"] == [2, 2] and summary["rows"]["static"]["compile_s"] == 30.0
     assert summary["max_loss_diff"] == pytest.approx(1e-4)
     dynamic_lengths.print_table({"gpt": summary})  # formats
+
+
+# ------------------------------------------------------------------ torch's own passes as modes (issue 57)
+runners = _bench.load("_harness.runners")
+
+
+def test_link_hardware_costs_collectives_at_the_benchmark_rate():
+    from fsdp_overlap_plugin.config.hardware import resolve_rates
+
+    assert runners.link_hardware(300e6) == "cpu-gloo-300mbit,link=37.5MB/s"
+    for bps in (300e6, 100e6):
+        rates = resolve_rates("cpu", runners.link_hardware(bps))["rates"]
+        assert rates["link"] == pytest.approx(bps / 8)  # bytes/s per rank = the tc rate
+        assert rates["latency"] == resolve_rates("cpu", "cpu-gloo-300mbit")["rates"]["latency"]
+    assert runners.link_hardware(0.0) == "cpu-gloo-300mbit"  # alloc_peak.py: no link
+
+
+def _state(runner):
+    from fsdp_overlap_plugin.runtime.state import get_state
+
+    return get_state(runner.model)
+
+
+def test_new_modes_build_the_configs_they_name():
+    """What make_runner builds (a fake world of 2, nothing compiled): torch-auto is the
+    package's inductor_overlap: auto with our passes off, gloo's reduce-scatter and the
+    benchmark's link as hardware; torch-manual is `compiled` plus torch's pass with
+    `both`'s plan; both+suggest takes the plan and depth suggest picked."""
+    from _fake import fake_world
+
+    from fsdp_overlap_plugin.config.hardware import resolve_rates
+
+    modes = ("torch-auto", "torch-manual", "both+suggest", "both", "compiled")
+    with fake_world(2):
+        built = {m: runners.make_runner(m, "gpt", "small", {}, 100e6, 2) for m in modes}
+        configs = {m: _state(r).config for m, r in built.items()}
+        plans = {m: _state(r).plan for m, r in built.items()}
+    auto = configs["torch-auto"]
+    assert (auto.inductor_overlap, auto.manual_bucketing, auto.overlap_grad_reduce) == ("auto", False, False)
+    assert auto.reduce_scatter_impl == "native" and built["torch-auto"].patch is None
+    assert resolve_rates("cpu", auto.hardware)["rates"]["link"] == pytest.approx(100e6 / 8)
+    manual = configs["torch-manual"]
+    assert manual == configs["compiled"] and manual.inductor_overlap == "off"
+    assert (manual.manual_bucketing, manual.overlap_grad_reduce, manual.reduce_scatter_impl) == (False, False, "native")
+    patch = built["torch-manual"].patch
+    assert patch["reorder_for_peak_memory"] is False and patch["allow_buffer_reuse"] is False
+    assert patch["post_grad_custom_post_pass"].plan == plans["both"] == built["torch-manual"].info["plan"]
+    assert len(plans["both"]) == 6  # embeddings, 4 blocks, the head and norm
+    assert built["torch-manual"].may_fail and not built["both"].may_fail
+    suggested = built["both+suggest"].info["suggest"]
+    assert suggested["hardware"] == runners.link_hardware(100e6)
+    assert configs["both+suggest"].prefetch_depth == suggested["depth"]
+    assert plans["both+suggest"] == (plans["both"] if suggested["plan"] == "auto" else suggested["plan"])
+
+
+def test_simple_modes_set_inductor_overlap_simple(monkeypatch):
+    """compiled+simple is `compiled` and both+simple the defaults, each with inductor_overlap:
+    simple; valid configs where torch has the pass (made so here on any torch)."""
+    from fsdp_overlap_plugin import _torch_compat
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
+
+    monkeypatch.setattr(
+        _torch_compat, "inductor_distributed_passes", lambda: {"simple_overlap": True, "overlap_scheduling": True}
+    )
+    assert runners.mode_config("compiled+simple", 300e6) == {
+        **runners.mode_config("compiled", 300e6),
+        "inductor_overlap": "simple",
+    }
+    assert runners.mode_config("both+simple", 300e6) == {"inductor_overlap": "simple"}
+    assert runners.mode_config("both", 300e6) == {}
+    for mode in ("compiled+simple", "both+simple", "torch-auto"):
+        OverlapConfig.from_dict(runners.mode_config(mode, 300e6))  # valid as they are
+    with pytest.raises(ValueError, match="no plugin config"):
+        runners.mode_config("comm-only", 300e6)
+
+
+def test_torch_manual_pass_calls_torchs_function_with_the_plan(monkeypatch):
+    import torch
+    from torch._inductor.fx_passes import overlap_manual_scheduling
+
+    calls = []
+
+    def fake(gm, plans, insert_overlap_deps=False, module_stack_fn=None, bucket_mode=None):
+        calls.append((gm, plans, insert_overlap_deps, module_stack_fn))
+        return gm
+
+    monkeypatch.setattr(overlap_manual_scheduling, "manual_overlap_bucketing", fake)
+    plan = [["embed"], ["blocks.0", "blocks.1"], "head"]
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    custom = runners.torch_manual_pass(plan)
+    custom(gm.graph)
+    assert calls == [(gm, plan, True, runners._module_stack)]
+    assert custom.runs == [{"graph": "forward", "before": custom.runs[0]["before"], "after": custom.runs[0]["after"]}]
+    assert custom.runs[0]["before"]["all_gather"] == 0
+    assert json.dumps(plan) in custom.uuid()
+    assert runners.torch_manual_pass([["embed"]]).uuid() != custom.uuid()  # the cache keys on the plan
+
+
+def test_module_stack_reads_any_dynamo_root():
+    import torch
+
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["nn_module_stack"] = {
+        "a": ("L['args'][0]._modules['model']", torch.nn.Module),
+        "b": ("L['args'][0]._modules['model']._modules['layers']['0']", torch.nn.Linear),
+    }
+    assert runners._module_stack(node) == [("model", torch.nn.Module), ("model.layers.0", torch.nn.Linear)]
+    del node.meta["nn_module_stack"]
+    node.meta["fwd_nn_module_stack"] = {"a": ("L['self'].blocks.0", torch.nn.Module)}
+    assert runners._module_stack(node) == [("blocks.0", torch.nn.Module)]
+
+
+@pytest.mark.parametrize("mode", ["compiled+simple", "both+simple"])
+def test_simple_modes_need_torch_2_14_at_argument_check(monkeypatch, capsys, mode):
+    """The simple modes are refused before any worker starts where torch has no simple
+    overlap pass, with the package's own message; allowed where it has one."""
+    import sys
+
+    from fsdp_overlap_plugin import _torch_compat
+
+    monkeypatch.setattr(
+        _torch_compat, "inductor_distributed_passes", lambda: {"simple_overlap": True, "overlap_scheduling": True}
+    )
+    assert runners.mode_torch_error(mode) is None
+    monkeypatch.setattr(
+        _torch_compat, "inductor_distributed_passes", lambda: {"simple_overlap": False, "overlap_scheduling": True}
+    )
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--modes", f"fsdp2-eager,{mode}", "--loopback"])
+    with pytest.raises(SystemExit) as exc:
+        step_time.main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"mode {mode}: inductor_overlap: simple needs torch 2.14 or newer" in err
+
+
+def test_torch_auto_on_cpu_needs_torch_2_13(monkeypatch):
+    from fsdp_overlap_plugin import _torch_compat
+
+    monkeypatch.setattr(
+        _torch_compat, "inductor_distributed_passes", lambda: {"simple_overlap": False, "overlap_scheduling": True}
+    )
+    monkeypatch.setattr(_torch_compat, "TORCH_VERSION", "2.11.0")
+    assert "inductor_overlap: auto on cpu needs torch 2.13" in runners.mode_torch_error("torch-auto")
+    monkeypatch.setattr(_torch_compat, "TORCH_VERSION", "2.13.0")
+    assert runners.mode_torch_error("torch-auto") is None
+
+
+def test_summary_and_table_carry_compile_time_and_failures(capsys):
+    def rank(compile_s):
+        modes = {
+            "fsdp2-eager": {"times": [1.0], "losses": [2.0], "peak_rss_mib": 1.0, "compile_s": 0.5},
+            "both": {"times": [0.5], "losses": [2.0], "peak_rss_mib": 1.0, "compile_s": compile_s},
+            "torch-manual": {
+                "times": [0.001],
+                "losses": [],
+                "peak_rss_mib": 0.0,
+                "compile_s": None,
+                "failed": "BackendCompilerFailed: torch's pass\nline two",
+            },
+        }
+        return {"modes": modes}
+
+    summary = step_time.summarize([rank(30.0), rank(42.0)], rate_bps=None)
+    rows = summary["rows"]
+    assert rows["both"]["compile_s"] == 42.0 and rows["fsdp2-eager"]["compile_s"] == 0.5
+    assert (
+        rows["torch-manual"]["failed"].startswith("BackendCompilerFailed") and rows["torch-manual"]["x_eager"] is None
+    )
+    step_time.print_table(summary, "header")
+    out = capsys.readouterr().out
+    assert "torch-manual         failed: BackendCompilerFailed: torch's pass | line two" in out
+    assert "compile s" in out and " 42.0 " in out
+
+
+def test_torch_pass_lines_say_what_torchs_pass_did():
+    run = {"graph": "forward", "before": {"all_gather": 53, "reduce_scatter": 0}}
+    run["after"] = {"all_gather": 6, "reduce_scatter": 0}
+    rows = {"torch-manual": {"torch_pass": [run]}, "torch-manual-b": {"torch_pass": []}}
+    lines = step_time.torch_pass_lines(rows)
+    assert lines[0] == (
+        "torch-manual: torch's manual_overlap_bucketing ran on 1 graphs: forward all-gathers 53 -> 6, "
+        "reduce-scatters 0 -> 0"
+    )
+    assert "did NOT run" in lines[1]
+
+
+def test_memory_summary_keeps_a_failed_mode():
+    mem = {"peak_bytes": 2**21, "state_bytes": 2**20, "step_peak_bytes": 2**20, "rss_hwm_increase_bytes": 2**20}
+    ok = [{"memory": mem, "compile_s": 3.0}, {"memory": mem, "compile_s": 4.0}]
+    failed = [{"memory": None, "failed": "RuntimeError: no"}] * 2
+    summary = step_time.summarize_memory({"fsdp2-eager": ok, "torch-manual": failed})
+    assert summary["rows"]["fsdp2-eager"]["compile_s"] == 4.0 and summary["rows"]["fsdp2-eager"]["peak_mib"] == 2.0
+    assert summary["rows"]["torch-manual"] == {"failed": "RuntimeError: no", "peak_mib": None, "x_eager": None}
+    step_time.print_memory_table(summary, "header")  # formats
+
+
+def test_each_launch_gets_a_fresh_inductor_cache(monkeypatch, tmp_path):
+    """The workers compile into a cache of their own (cold compile times; no entry of an
+    earlier run skips torch-manual's pass), even though importing torch has written its
+    default cache folder into os.environ; a cache the user named is kept."""
+    import argparse
+    import os
+
+    from fsdp_overlap_plugin import _torch_compat
+
+    _torch_compat.inductor_cache_dir()  # torch's cache_dir(): sets os.environ's entry
+    seen = []
+
+    def run_workers(*args):
+        seen.append(args[5])
+        (tmp_path / "inductor_cache" / "fxgraph").mkdir(parents=True, exist_ok=True)  # what torch writes
+        return []
+
+    monkeypatch.setattr(step_time, "run_workers", run_workers)
+    monkeypatch.setattr(step_time, "USER_CACHE_DIR", None)
+    args = argparse.Namespace(worker_args=["--modes", "both"], timeout=10)
+    step_time.launch(args, tmp_path, False)
+    assert seen[-1]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor_cache")
+    assert not (tmp_path / "inductor_cache").exists()  # removed after the run
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != seen[-1]["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setattr(step_time, "USER_CACHE_DIR", "/somewhere/mine")
+    step_time.launch(args, tmp_path, False)
+    assert seen[-1]["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
+
+
+def test_default_mode_list_skips_what_this_torch_cannot_run(monkeypatch, capsys, tmp_path):
+    """Named, a mode this torch cannot run is an error (above); in the default list it is
+    left out with a line saying why, and the rest runs."""
+    import sys
+
+    from fsdp_overlap_plugin import _torch_compat
+
+    monkeypatch.setattr(_torch_compat, "TORCH_VERSION", "2.11.0")
+    launched = []
+    monkeypatch.setattr(step_time, "launch_on_link", lambda args, out, netns: launched.append(args) or [])
+    monkeypatch.setattr(step_time, "summarize", lambda *a: {})
+    monkeypatch.setattr(step_time, "print_table", lambda *a: None)
+    monkeypatch.setattr(step_time.signal, "signal", lambda *a: None)  # main's handlers: not in pytest
+    monkeypatch.setattr(step_time.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--loopback"])
+    step_time.main()
+    assert "skipped mode torch-auto: inductor_overlap: auto on cpu needs torch 2.13" in capsys.readouterr().out
+    modes = launched[0].worker_args[launched[0].worker_args.index("--modes") + 1].split(",")
+    assert modes == [m for m in step_time.ALL_MODES if m != "torch-auto"]
+    monkeypatch.setattr(sys, "argv", ["step_time.py", "--loopback", "--modes", "both,torch-auto"])
+    with pytest.raises(SystemExit):
+        step_time.main()

@@ -1,15 +1,26 @@
 """step_time.py's modes and what runs them: one mode's model, parallelized, with its
 optimizer and step (``ModelRunner``); the comm-only replay of a step's collectives
-(``CommReplay``); both at once (``Concurrent``); the receive-first kernels and torch's
-own overlap scheduler made to run on CPU."""
+(``CommReplay``); both at once (``Concurrent``); the receive-first kernels.
+
+torch's own overlap passes as modes: ``torch-auto`` is the package's ``inductor_overlap:
+auto`` (torch's overlap scheduler and collective bucketing on our sharded graphs, our passes
+off, gloo's reduce-scatter), costed by the package from ``hardware`` = the cpu preset with
+its link at the benchmark's ``--rate`` (``link_hardware``; it no longer patches torch's
+globals); ``compiled+simple`` / ``both+simple`` set ``inductor_overlap: simple`` (torch
+2.14+); ``torch-manual`` runs torch's ``manual_overlap_bucketing`` with `both`'s bucket plan
+as a post-grad pass (``torch_manual_pass``), our passes off; ``both+suggest`` takes the plan
+and prefetch depth ``fsdp-overlap suggest`` picks at the benchmark's link
+(``suggested_plan``). ``mode_torch_error`` says before any worker starts which of them this
+torch cannot run."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 from _harness.memory import rss_mib
-from _harness.models import BATCH_PER_RANK, LR, block_plan, build_model, loss_for
+from _harness.models import BATCH_PER_RANK, LR, block_plan, build_model, loss_for, vocab_and_seq
 from _harness.trace import schedule_order
 
 ALL_MODES = [
@@ -29,8 +40,13 @@ ALL_MODES = [
 A2A_MODES = {"both", "both+prefetch-2", "both+gather-group", "both+fsdp2-order"}
 # the replay that is each other mode's transport bound (the rest: comm-only+native)
 OWN_REPLAY = {**{mode: "comm-only" for mode in A2A_MODES}, "both+all-to-all": "comm-only+all-to-all"}
-# only when named in --modes (gather-group did not help on gloo: RESULTS.md)
+# only when named in --modes (gather-group did not help on gloo: RESULTS.md; the simple modes
+# need torch 2.14)
 EXTRA_MODES = [
+    "compiled+simple",
+    "both+simple",
+    "torch-manual",
+    "both+suggest",
     "both+gather-group",
     "both+fsdp2-order",
     "both+all-to-all",
@@ -59,17 +75,25 @@ def dynamo_graphs(runner) -> int | None:
 
 
 class ModelRunner:
-    """One mode's model, optimizer and step."""
+    """One mode's model, optimizer and step. ``patch``: inductor config active around
+    every step (so also around a recompile at a new length); ``may_fail``: a mode whose
+    compile may fail on our graphs (torch-manual runs torch's pass on them): the first
+    failing step's error is kept in ``failed`` and every later step does nothing, so the
+    other modes still run (every rank compiles the same graphs, so all fail alike).
+    ``first_step_s``: the first step's wall time (it compiles)."""
 
-    def __init__(self, model, world: int, patch: dict | None = None, loss=None):
+    def __init__(self, model, world: int, patch: dict | None = None, loss=None, may_fail: bool = False):
         import torch
 
         self.model = model
         self.loss = loss
         self.opt = torch.optim.SGD(model.parameters(), lr=LR)
         self.world = world
-        self.patch = patch  # inductor config active while the first step compiles
-        self.compiled = False
+        self.patch = patch
+        self.may_fail = may_fail
+        self.failed: str | None = None
+        self.first_step_s: float | None = None
+        self.info: dict = {}
         self.peak_rss = 0.0
 
     def _slice(self, t):
@@ -78,10 +102,27 @@ class ModelRunner:
         rank = dist.get_rank() if self.world > 1 else 0
         return t[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
 
-    def step(self, batch, marks: list | None = None, t0: float = 0.0) -> float:
+    def step(self, batch, marks: list | None = None, t0: float = 0.0) -> float | None:
+        if self.failed is not None:
+            return None
+        start = time.perf_counter()
+        if not self.may_fail:
+            loss = self._step(batch, marks, t0)
+        else:
+            try:
+                loss = self._step(batch, marks, t0)
+            except Exception as exc:  # noqa: BLE001 - recorded for the table, the other modes go on
+                self.failed = f"{type(exc).__name__}: {exc}".strip()
+                self.opt.zero_grad(set_to_none=True)
+                return None
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - start
+        return loss
+
+    def _step(self, batch, marks: list | None, t0: float) -> float:
         import torch
 
-        ctx = torch._inductor.config.patch(self.patch) if self.patch and not self.compiled else _nullcontext()
+        ctx = torch._inductor.config.patch(self.patch) if self.patch else _nullcontext()
         x, y = (self._slice(t) for t in batch)
         base = rss_mib()
         with ctx:
@@ -92,7 +133,6 @@ class ModelRunner:
             if marks is not None:
                 marks.append(("backward", time.perf_counter() - t0))
             loss.backward()
-        self.compiled = True
         self.peak_rss = max(self.peak_rss, rss_mib() - base)
         if marks is not None:
             marks.append(("optimizer step", time.perf_counter() - t0))
@@ -249,57 +289,169 @@ def use_recv_first_kernels() -> object:
     return lib
 
 
-def _cpu_rates() -> tuple[float, float]:
-    """Measured single-thread matmul FLOP/s and copy bytes/s (for torch's roofline)."""
-    import torch
-
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    torch.mm(a, b)
-    t = time.perf_counter()
-    for _ in range(8):
-        torch.mm(a, b)
-    flops = 8 * 2 * 512**3 / (time.perf_counter() - t)
-    x = torch.empty(16 * 2**20 // 4)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    t = time.perf_counter()
-    for _ in range(8):
-        y.copy_(x)
-    bw = 8 * 2 * x.numel() * 4 / (time.perf_counter() - t)
-    return flops, bw
+# The modes that set inductor_overlap (our package applies it per compile): the setting, and
+# whether our passes are on with it
+INDUCTOR_OVERLAP = {
+    "compiled+simple": ("simple", False),
+    "both+simple": ("simple", True),
+    "torch-auto": ("auto", False),
+}
+# the preset whose latency and compute rates torch-auto's cost model keeps (its link: the --rate)
+LINK_PRESET = "cpu-gloo-300mbit"
 
 
-def torch_auto_patch(rate_bps: float) -> dict:
-    """Make inductor's overlap scheduler run on a CPU-only torch: its roofline estimator
-    asks Triton for the GPU's memory bandwidth and peak FLOPs, so give it this CPU's
-    measured rates, and cost collectives at the link rate instead of NCCL's."""
-    import torch
-    import torch.distributed as dist
-    import torch.utils._runtime_estimation as runtime_estimation
+def link_hardware(rate_bps: float) -> str:
+    """The ``hardware`` setting that costs collectives at the benchmark's link: the cpu
+    preset with ``link`` the tc rate in bytes/s per rank (``cpu-gloo-300mbit,link=37.5MB/s``
+    at 300 Mbit). Without a rate (``alloc_peak.py`` passes 0), the preset alone."""
+    if not rate_bps or rate_bps <= 0:
+        return LINK_PRESET
+    return f"{LINK_PRESET},link={rate_bps / 8 / 1e6:g}MB/s"
 
-    from fsdp_overlap_plugin.passes.graph import is_collective
 
-    rates = torch.tensor(_cpu_rates(), dtype=torch.float64)
-    if dist.is_initialized():  # rank 0's rates everywhere: different estimates make different schedules
-        dist.broadcast(rates, src=0)  # on the ranks, whose collectives then mismatch (seen on hf-llama)
-    flops, bw = rates.tolist()
-    runtime_estimation.get_gpu_dram_gbps = lambda: bw / 1e9
-    runtime_estimation.get_device_tflops = lambda dtype: flops / 1e12
+def mode_torch_error(mode: str) -> str | None:
+    """Why ``mode`` cannot run on this torch, or None: the package's own verdict on the
+    mode's ``inductor_overlap`` (simple needs torch 2.14, auto on a CPU 2.13), or, for
+    torch-manual, torch's ``manual_overlap_bucketing`` missing. Asked at argument check
+    time, before any worker starts."""
+    from fsdp_overlap_plugin.config.inductor_overlap import device_error, setting_error
 
-    def estimate(node, size=None):
-        if not is_collective(node):
-            return None
-        val = node.meta.get("val")
-        nbytes = size if size else (val.numel() * val.element_size() if val is not None else 0)
-        return nbytes * 8 / rate_bps * 1e3  # ms
+    if mode in INDUCTOR_OVERLAP:
+        setting, passes_on = INDUCTOR_OVERLAP[mode]
+        why = setting_error(setting, passes_on, "inductor") or device_error(setting, "cpu")
+        return f"mode {mode}: {why}" if why else None
+    if mode == "torch-manual":
+        try:
+            from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing  # noqa: F401
+        except ImportError as exc:
+            import torch
 
+            return f"mode torch-manual: torch {torch.__version__} has no manual_overlap_bucketing ({exc})"
+    return None
+
+
+def _module_stack(node) -> list[tuple[str, type]]:
+    """``module_stack_fn`` for torch's graph view: every module scope Dynamo recorded for
+    ``node``, as plan FQNs. torch's own reader strips only an ``L['self']`` root, so on a
+    transformers model (which Dynamo sees as ``L['args'][0]``: its forward is decorated)
+    no node would match the plan and the pass would do nothing; the package's
+    ``clean_module_path`` reads any root."""
+    from fsdp_overlap_plugin.passes.graph import clean_module_path
+
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    out = []
+    for value in stack.values():
+        key, klass = value if isinstance(value, tuple) else (str(value), object)
+        path = clean_module_path(key)
+        if path is not None:
+            out.append((path, klass))
+    return out
+
+
+def torch_manual_pass(plan: list[list[str] | str]):
+    """torch-manual's post-grad pass: torch's own ``manual_overlap_bucketing`` on each of
+    our compiled graphs with ``plan`` (the bucket plan `both` resolves), as torchtitan's
+    SimpleFSDP runs it under inductor (``insert_overlap_deps=True``). A ``CustomGraphPass``
+    whose uuid holds the plan, so the FX graph cache keys on it. Each call appends the
+    graph's collectives before and after to ``runs``: that the pass ran, and what it did."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from fsdp_overlap_plugin.passes.graph import collective_counts, graph_kind
+
+    class TorchManualBucketing(CustomGraphPass):
+        def __init__(self) -> None:
+            self.plan = plan
+            self.runs: list[dict] = []
+
+        def __call__(self, graph) -> None:
+            from torch._inductor.fx_passes import overlap_manual_scheduling
+
+            before = collective_counts(graph)
+            gm = overlap_manual_scheduling.manual_overlap_bucketing(
+                graph.owning_module, self.plan, insert_overlap_deps=True, module_stack_fn=_module_stack
+            )
+            self.runs.append({"graph": graph_kind(graph), "before": before, "after": collective_counts(gm.graph)})
+
+        def uuid(self) -> str:
+            return "step_time-torch-manual-" + json.dumps(self.plan)
+
+    return TorchManualBucketing()
+
+
+def torch_manual_patch(plan: list[list[str] | str]) -> dict:
+    """The inductor config active around torch-manual's steps: torch's pass after the
+    post-grad passes, and the settings torchtitan's SimpleFSDP sets with it (no reorder for
+    peak memory, which would undo the overlap order; no buffer reuse: `both` sets the
+    same two)."""
     return {
-        "aten_distributed_optimizations.enable_overlap_scheduling": True,
-        "aten_distributed_optimizations.collective_bucketing": True,
-        "aten_distributed_optimizations.custom_runtime_estimation": estimate,
-        # the default "benchmark" times kernels on a GPU to align ranks' estimates
-        "aten_distributed_optimizations.compute_estimator": "analytical",
+        "post_grad_custom_post_pass": torch_manual_pass(plan),
+        "reorder_for_peak_memory": False,
+        "allow_buffer_reuse": False,
     }
+
+
+def suggested_plan(model_name: str, model, seq: int, world: int, rate_bps: float, current_plan: str) -> dict:
+    """What ``fsdp-overlap suggest`` picks for this model on ``world`` ranks at the
+    benchmark's link (``link_hardware``), a rank's batch of BATCH_PER_RANK sequences of the
+    model's length, from the defaults with ``current_plan`` ("auto" or "blocks"): the
+    chosen candidate's words, plan (as ``bucket_plans`` takes it), prefetch depth and
+    predicted step."""
+    from fsdp_overlap_plugin.cli.analysis import analyze
+    from fsdp_overlap_plugin.cli.predict import suggest
+    from fsdp_overlap_plugin.config.schema import OverlapConfig
+
+    keys = {"bucket_plans": block_plan(model_name, model)} if current_plan == "blocks" else {}
+    config = OverlapConfig.from_dict(keys)
+    current = [bucket["modules"] for bucket in analyze(model, config, world=world)["plan"]["buckets"]]
+    found = suggest(
+        model,
+        config,
+        current,
+        world=world,
+        batch=BATCH_PER_RANK,
+        seq=seq,
+        hardware=link_hardware(rate_bps),
+        device_type="cpu",
+    )
+    if found["chosen"] is None:
+        raise SystemExit("both+suggest: fsdp-overlap suggest found no candidate")
+    pick = found["candidates"][found["chosen"]]
+    return {
+        "words": pick["words"],
+        "plan": pick["plan"],
+        "depth": pick["depth"],
+        "predicted_step_s": pick["step_s"],
+        "speedup_vs_current": found["speedup"],
+        "hardware": link_hardware(rate_bps),
+    }
+
+
+def mode_config(mode: str, rate_bps: float, custom: dict | None = None) -> dict:
+    """The plugin config keys of a sharded mode (before ``--plan blocks``, both+suggest's
+    plan and ``alloc_peak.py``'s overrides); ``custom``: the ``--mode-config`` modes."""
+    native = {"reduce_scatter_impl": "native"}
+    passes = {"manual_bucketing": False, "overlap_grad_reduce": False, **native}
+    config = {
+        "fsdp2-eager": {"compile": False},
+        "compiled": passes,
+        "compiled+simple": {**passes, "inductor_overlap": "simple"},
+        "bucketing": {"manual_bucketing": True, "overlap_grad_reduce": False, **native},
+        "grad-overlap": {"manual_bucketing": False, "overlap_grad_reduce": True, **native},
+        "both": {},
+        "both+simple": {"inductor_overlap": "simple"},
+        "both+suggest": {},
+        "both+native": native,
+        "both+prefetch-2": {"prefetch_depth": 2},
+        "both+gather-group": {"separate_gather_group": True},
+        "both+fsdp2-order": {"max_prefetch_bytes": "1024GiB"},
+        "both+all-to-all": {"reduce_scatter_impl": "all_to_all"},
+        "torch-auto": {**passes, "inductor_overlap": "auto", "hardware": link_hardware(rate_bps)},
+        "torch-manual": passes,
+        **(custom or {}),
+    }.get(mode)
+    if config is None:
+        raise ValueError(f"mode {mode!r} has no plugin config")
+    return config
 
 
 def make_runner(
@@ -312,10 +464,12 @@ def make_runner(
     plan: str = "auto",
     overrides: dict | None = None,
     custom: dict | None = None,
+    log=None,
 ):
     """One mode's model, parallelized and ready to step. ``overrides``: config keys set
     on top of a compiled mode's own (``alloc_peak.py --set``); ``custom``: the config keys
-    of the ``--mode-config`` modes, by name."""
+    of the ``--mode-config`` modes, by name; ``log``: rank 0's printer (both+suggest says
+    which plan it picked)."""
     import fsdp_overlap_plugin as fo
 
     if mode in REPLAYS:
@@ -332,26 +486,29 @@ def make_runner(
         prepare_for_compile(model)
         model.compile(backend="inductor", fullgraph=True)
         return ModelRunner(model, world=1, loss=loss)
-    native = {"reduce_scatter_impl": "native"}
-    passes = {"manual_bucketing": False, "overlap_grad_reduce": False, **native}
-    config = {
-        "fsdp2-eager": {"compile": False},
-        "compiled": passes,
-        "bucketing": {"manual_bucketing": True, "overlap_grad_reduce": False, **native},
-        "grad-overlap": {"manual_bucketing": False, "overlap_grad_reduce": True, **native},
-        "both": {},
-        "both+native": native,
-        "both+prefetch-2": {"prefetch_depth": 2},
-        "both+gather-group": {"separate_gather_group": True},
-        "both+fsdp2-order": {"max_prefetch_bytes": "1024GiB"},
-        "both+all-to-all": {"reduce_scatter_impl": "all_to_all"},
-        "torch-auto": passes,
-        **(custom or {}),
-    }[mode]
+    info: dict = {}
+    if mode == "both+suggest":
+        info["suggest"] = suggested_plan(model_name, model, vocab_and_seq(model_name, size)[1], world, rate_bps, plan)
+        if log is not None:
+            pick = info["suggest"]
+            log(
+                f"[both+suggest] fsdp-overlap suggest at {pick['hardware']}: {pick['words']}, prefetch_depth "
+                f"{pick['depth']} (predicted {pick['predicted_step_s']:.3f} s/step): bucket_plans {pick['plan']}"
+            )
+    config = mode_config(mode, rate_bps, custom)
     if plan == "blocks":
         config = {**config, "bucket_plans": block_plan(model_name, model)}
+    if mode == "both+suggest":  # what the user pastes from `fsdp-overlap suggest`: plan and depth
+        config = {**config, "bucket_plans": info["suggest"]["plan"], "prefetch_depth": info["suggest"]["depth"]}
     if overrides and mode != "fsdp2-eager":
         config = {**config, **overrides}
     fo.parallelize(model, config)
-    patch = torch_auto_patch(rate_bps) if mode == "torch-auto" else None
-    return ModelRunner(model, world, patch, loss=loss)
+    patch = None
+    if mode == "torch-manual":  # the plan our `both` resolves for this model (--plan included)
+        from fsdp_overlap_plugin.runtime.state import get_state
+
+        info["plan"] = get_state(model).plan
+        patch = torch_manual_patch(info["plan"])
+    runner = ModelRunner(model, world, patch, loss=loss, may_fail=mode == "torch-manual")
+    runner.info = info
+    return runner
