@@ -26,14 +26,18 @@ MISSPELT = "pattern 'blokcs.*' matches no module"
 FIX = "Did you mean 'blocks.*'?"
 BAD_PLAN = [["tok_emb", "pos_emb"], ["blokcs.*"], ["norm", "head"]]
 
-# A torchrun script: a tiny GPT, one thread per rank, the bad plan (or only on RANK_LOCAL's
-# rank, which then stops alone while the others wait at a barrier).
+# A torchrun script: a tiny GPT, one thread per rank, the bad plan (or only on ONLY_RANK's
+# rank, which then stops alone while the others wait at a barrier); SLOW_EXIT: rank 0's
+# interpreter teardown takes 4 s.
 CORE_SCRIPT = f"""
 import os, torch, torch.distributed as dist
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.models import gpt_small
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
+if os.environ.get("SLOW_EXIT") and dist.get_rank() == 0:  # a teardown as slow as on a loaded machine
+    import atexit, time
+    atexit.register(time.sleep, 4)
 plan = {BAD_PLAN!r}
 only = os.environ.get("ONLY_RANK")
 if only is not None and int(only) != dist.get_rank():
@@ -97,12 +101,31 @@ def test_an_uncaught_config_error_is_short_and_exits_2_and_other_errors_are_unto
     assert "Traceback (most recent call last)" in proc.stderr and "ValueError: not ours" in proc.stderr
 
 
+def test_a_quiet_rank_waits_for_rank_0s_process_to_end(monkeypatch):
+    """The launcher names the first rank to exit as the root cause: the quiet rank waits
+    until rank 0's process is gone or a zombie (a pause after rank 0's "done" alone lost
+    that race on a loaded machine), and gives up after WAIT_S."""
+    from fsdp_overlap_plugin.report import messages
+
+    monkeypatch.setattr(messages, "WAIT_S", 0.3)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not messages._wait_for_exit(child.pid)  # alive: bounded, then False
+        child.kill()
+        assert messages._wait_for_exit(child.pid)  # a zombie until reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert messages._wait_for_exit(child.pid)  # reaped: gone
+
+
 # --------------------------------------------------------------------- real launches
 @pytest.mark.slow
 def test_torchrun_prints_a_plan_error_once_and_names_it_in_the_launcher_summary(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(CORE_SCRIPT)
-    proc = _run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script)], tmp_path)
+    # rank 0's exit takes 4 s after its message: rank 1 must still exit after it
+    proc = _run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script)], tmp_path, env={"SLOW_EXIT": "1"})
     text = output(proc)
     assert proc.returncode != 0
     _assert_once(text)

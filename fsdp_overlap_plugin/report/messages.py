@@ -36,6 +36,7 @@ import json
 import linecache
 import logging
 import os
+import socket
 import sys
 import sysconfig
 import time
@@ -67,6 +68,7 @@ PROGRESS_LOGGER = "fsdp_overlap_plugin.progress"
 WAIT_S = 10.0
 _POLL_S = 0.02
 _LINGER_S = 2.0  # a quiet rank's wait after rank 0 is done, under an elastic launcher
+_AFTER_EXIT_S = 0.5  # ... after rank 0's process ended: the launcher's next poll sees it first
 _OFF = ("0", "false", "no", "off")
 
 
@@ -271,6 +273,7 @@ def _post_and_wait(store: Any, world: int, text: str) -> None:
         deadline = time.monotonic() + WAIT_S
         while store.add(_key("read"), 0) < world - 1 and time.monotonic() < deadline:
             time.sleep(_POLL_S)
+        store.set(_key("pid"), f"{socket.gethostname()}:{os.getpid()}")  # before "done"
         store.set(_key("done"), "1")
     except Exception:
         pass
@@ -297,15 +300,42 @@ def _poll(store: Any, key: str) -> bool:
 
 def _let_rank0_exit_first(store: Any) -> None:
     """Under an elastic launcher the first rank to exit is its "root cause" and the others
-    are terminated: wait until rank 0 is done (bounded), then a moment longer, so that
-    rank 0, which printed the message, is the one the launcher's summary names."""
+    are terminated: wait until rank 0 is done and its process has ended (bounded), then a
+    moment longer, so that rank 0, which printed the message, is the one the launcher's
+    summary names. Interpreter teardown takes rank 0 seconds on a loaded machine, so a
+    fixed pause after "done" alone is not enough; a rank 0 on another host (whose process
+    this rank cannot see) gets the fixed pause."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     try:
-        if _poll(store, _key("done")):
+        if not _poll(store, _key("done")):
+            return
+        host, _, pid = store.get(_key("pid")).decode().rpartition(":")
+        if host == socket.gethostname() and _wait_for_exit(int(pid)):
+            time.sleep(_AFTER_EXIT_S)
+        else:
             time.sleep(_LINGER_S)
     except Exception:
         pass
+
+
+def _wait_for_exit(pid: int) -> bool:
+    """Whether process ``pid`` ended (gone, or a zombie its launcher has not reaped yet)
+    within ``WAIT_S``; False where /proc cannot tell."""
+    stat = f"/proc/{pid}/stat"
+    if not os.path.exists("/proc/self/stat"):
+        return False
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            with open(stat) as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return True  # gone
+        if state in ("Z", "X"):
+            return True
+        time.sleep(_POLL_S)
+    return False
 
 
 def _wait_for_rank0(store: Any) -> str | None:
