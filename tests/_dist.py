@@ -214,7 +214,7 @@ def raise_on_launcher_crash(text: str, failure: str, package_dir: str | None = N
         return
     dumps = {f"faulthandler dump {i + 1}": dump for i, dump in enumerate(faulthandler_dumps(text))}
     ranks = ", ".join(f"rank {rank} by {name}" for rank, name in sorted(crashed.items()))
-    shown = "".join(f"--- {name} ---\n{dump[-4000:]}\n" for name, dump in dumps.items()) or "(no faulthandler dump)\n"
+    shown = "".join(f"--- {name} ---\n{dump[:6000]}\n" for name, dump in dumps.items()) or "(no faulthandler dump)\n"
     crash = NativeCrash(f"the launcher reports {ranks} in native code:\n{shown}{failure}\n{NEVER_RERUN}")
     _raise_crash(what, dumps, crash, package_dir)
 
