@@ -18,7 +18,7 @@ from .runtime.state import _STATE_ATTR, OverlapState, local_layout, model_finger
 from .shard import hf
 from .shard.activation_checkpointing import apply_activation_checkpointing
 from .shard.export import install_save_pretrained
-from .shard.preflight import preflight
+from .shard.preflight import Preflight, preflight
 from .shard.sharding import (
     build_gather_group,
     build_mesh,
@@ -94,6 +94,7 @@ def parallelize(
     config: OverlapConfig | dict | str | None = None,
     *,
     mesh: DeviceMesh | None = None,
+    checked: Preflight | None = None,
     **overrides,
 ) -> nn.Module:
     """Shard ``model`` the FSDP2 way and compile it with the overlap passes, in place.
@@ -106,6 +107,9 @@ def parallelize(
         mesh: the data-parallel ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)`` for
             HSDP). Defaults to all ranks of the default process group, shaped by
             ``config.mesh``; a dict such as ``{"replicate": 2}`` sets ``config.mesh``.
+        checked: what ``preflight(model, config)`` returned, when the caller (an adapter
+            that checks before its framework builds anything) ran it already on this model
+            and this config: the checks then run once, not twice.
 
     Returns the module it prepared: the same module object, whose parameters are now
     ``DTensor`` ``Shard(0)`` shards and, with ``compile: true``, whose forward is compiled
@@ -122,7 +126,8 @@ def parallelize(
         mesh = None
     config = OverlapConfig.coerce(config, **overrides)
     # pure: every rank raises the same error here, and fsdp-overlap check runs the same
-    checked = preflight(model, config)
+    if checked is None:
+        checked = preflight(model, config)
     plan, checkpointed = checked.plan, checked.checkpointed
     if mesh is None:
         device_type = devices.detect_device_type()

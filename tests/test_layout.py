@@ -150,15 +150,22 @@ LAYERS = {
     "parallelize": 8,
     "testing": 8,
     "models": 8,
-    "lightning": 9,
-    "accelerate": 9,
-    "cli": 10,
+    "core": 9,
+    "lightning": 10,
+    "accelerate": 10,
+    "cli": 11,
 }
 #: The package's entry points, above everything.
 ENTRY = {"__init__.py", "__main__.py"}
 #: What a pass may import from the package: passes work on any FX graph, without a
 #: process group, a config or a runtime.
 PASSES_MAY_IMPORT = {"contract", "_torch_compat", "passes"}
+#: What an adapter may import from the package: the core interface (``core.py``), what the
+#: user wrote (``config/``), its own folder and its framework's compat module.
+ADAPTERS_MAY_IMPORT = {
+    "lightning": {"core", "config", "lightning", "_lightning_compat"},
+    "accelerate": {"core", "config", "accelerate", "_accelerate_compat"},
+}
 
 
 def _folder(module: str) -> str:
@@ -211,6 +218,35 @@ def test_nothing_imports_upward(path):
 def test_passes_import_only_the_contract_and_torch_compat(path):
     outside = [f"line {line}: {t}" for t, line in _package_imports(path) if _folder(t) not in PASSES_MAY_IMPORT]
     assert not outside, f"{_rel(path)}: a pass imports {outside}"
+
+
+ADAPTER_MODULES = [p for folder in ADAPTERS_MAY_IMPORT for p in sorted((PACKAGE / folder).glob("*.py"))]
+
+
+@pytest.mark.parametrize("path", ADAPTER_MODULES, ids=_rel)
+def test_adapters_import_only_the_core_interface_and_config(path):
+    """An adapter translates its framework's lifecycle into calls of ``core.py``: anything
+    else it needs from the package goes into the core interface first."""
+    folder = path.relative_to(PACKAGE).parts[0]
+    allowed = ADAPTERS_MAY_IMPORT[folder]
+    outside = [f"line {line}: {t}" for t, line in _package_imports(path) if _folder(t) not in allowed]
+    assert not outside, f"{_rel(path)}: an adapter imports {outside}; expose it in fsdp_overlap_plugin/core.py"
+
+
+def test_the_adapter_check_sees_a_lazy_import_past_the_core():
+    source = "from ..core import parallelize\ndef f():\n    from ..shard.sharding import build_mesh\n"
+    found = _package_imports(PACKAGE / "accelerate" / "adapter.py", source)
+    assert [_folder(t) for t, _ in found] == ["core", "shard"]
+    assert "shard" not in ADAPTERS_MAY_IMPORT["accelerate"]
+
+
+def test_the_core_interface_resolves_every_name():
+    import fsdp_overlap_plugin.core as core
+
+    missing = [name for name in core.__all__ if getattr(core, name, None) is None]
+    assert not missing
+    assert core.devices.__name__ == "fsdp_overlap_plugin.runtime.devices"
+    assert callable(core.parallelize) and callable(core.materialize)
 
 
 def test_the_layer_check_sees_an_upward_import():

@@ -26,14 +26,20 @@ import torch.nn as nn
 
 from .._accelerate_compat import mark_prepared, prepared_models, prepared_objects
 from ..config.schema import OverlapConfig, OverlapConfigError
-from ..parallelize import parallelize, take_over_compiled
-from ..report.messages import install_excepthook, process_rank, say
-from ..report.schedule import format_report, schedule_report
-from ..runtime import devices
-from ..runtime.state import get_state
-from ..shard.initialize import materialize
-from ..shard.preflight import preflight
-from ..shard.sharding import build_mesh
+from ..core import (
+    build_mesh,
+    devices,
+    format_report,
+    get_state,
+    install_excepthook,
+    materialize,
+    parallelize,
+    preflight,
+    process_rank,
+    say,
+    schedule_report,
+    take_over_compiled,
+)
 from .adopt import is_plugin_model
 from .checkpointing import install_checkpointing, install_get_state_dict
 from .config import ConfigSource, Resolved, fsdp_launch, load_config

@@ -45,9 +45,7 @@ import torch.nn as nn
 
 from .._accelerate_compat import clip_grad_norm, set_fsdp_distributed_type
 from ..config.schema import OverlapConfigError
-from ..report.messages import say
-from ..runtime.state import get_state
-from ..shard.sharding import is_sharded
+from ..core import get_state, is_sharded, say
 from .config import fsdp_launch
 
 __all__ = ["ADOPTED_ATTR", "install", "is_adopted", "is_plugin_model"]

@@ -32,9 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..shard.atomic_checkpoint import check_complete, retire, written_atomically
-from ..shard.export import full_state_dict
-from ..shard.sharding import gather_disabled
+from ..core import check_complete, full_state_dict, gather_disabled, retire, written_atomically
 
 __all__ = ["install_checkpointing", "install_get_state_dict"]
 
@@ -139,7 +137,7 @@ def install_checkpointing(accelerator: Any, model: nn.Module, prepared: list) ->
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.utils import DistributedType
 
-    from .._torch_compat import patch_optimizer_state_dict
+    from ..core import patch_optimizer_state_dict
 
     # Both paths below go through torch's state-dict helpers (Accelerate's FSDP2 save/load,
     # the optimizer's full-state methods), which look each parameter up with getattr: on a

@@ -38,8 +38,7 @@ import functools
 import sys
 from typing import Any
 
-from ..shard.atomic_checkpoint import check_complete
-from ..shard.sharding import gather_disabled
+from ..core import check_complete, gather_disabled
 from .adopt import is_plugin_model
 
 __all__ = ["install"]

@@ -23,13 +23,19 @@ import torch.nn as nn
 
 from ..config.keys import suggest, unknown_key_message
 from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
-from ..parallelize import parallelize, pop_compile_notes, take_over_compiled
-from ..report.messages import install_excepthook
-from ..runtime import devices
-from ..runtime.state import get_state
-from ..shard.atomic_checkpoint import check_complete, retire, written_atomically
-from ..shard.initialize import materialize
-from ..shard.sharding import is_sharded
+from ..core import (
+    check_complete,
+    devices,
+    get_state,
+    install_excepthook,
+    is_sharded,
+    materialize,
+    parallelize,
+    pop_compile_notes,
+    retire,
+    take_over_compiled,
+    written_atomically,
+)
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -457,7 +463,7 @@ def no_gathers() -> Iterator[None]:
     """State-dict and checkpoint code reads parameters through ``getattr`` (torch's DCP
     ``_get_fqns`` does); inside this block that returns the shard instead of running an
     all-gather per parameter."""
-    from ..shard.sharding import gather_disabled
+    from ..core import gather_disabled
 
     with gather_disabled():
         yield

@@ -33,10 +33,14 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from ..config.schema import OverlapConfig, OverlapConfigError
-from ..report.messages import install_excepthook
-from ..report.schedule import format_report, schedule_report
-from ..runtime.accumulation import replica_all_reduce_skipped, replica_sync_of
-from ..shard.sharding import build_mesh
+from ..core import (
+    build_mesh,
+    format_report,
+    install_excepthook,
+    replica_all_reduce_skipped,
+    replica_sync_of,
+    schedule_report,
+)
 from ._common import (
     CONFIG_FIELDS,
     StrategyBase,

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
 
-from ..runtime import devices
+from ..core import devices
 
 __all__ = ["NPUAccelerator", "NPUFabricAccelerator", "NPUAcceleratorMixin", "parse_npu_devices"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..runtime import devices
+from ..core import devices
 
 __all__ = ["STRATEGY_NAME", "register", "register_family"]
 

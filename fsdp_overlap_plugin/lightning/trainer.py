@@ -39,12 +39,15 @@ from torch.distributed.constants import default_pg_timeout
 
 from .._lightning_compat import set_module_device_mesh
 from ..config.schema import OverlapConfig
-from ..report.messages import install_excepthook
-from ..report.schedule import format_report, schedule_report
-from ..runtime import devices
-from ..runtime.accumulation import replica_all_reduce_skipped
-from ..runtime.state import get_state
-from ..shard.sharding import build_mesh
+from ..core import (
+    build_mesh,
+    devices,
+    format_report,
+    get_state,
+    install_excepthook,
+    replica_all_reduce_skipped,
+    schedule_report,
+)
 from ._common import (
     CONFIG_FIELDS,
     StrategyBase,
