@@ -47,26 +47,14 @@ SIZES = {  # (layers, width, heads, seq, per-rank batch, vocab)
 
 def build(model: str, size: tuple):
     import torch
+    from _harness.models import build_gpt, build_llama, llama_config
 
     layers, width, heads, seq, _, vocab = size
     torch.manual_seed(0)
     if model == "gpt":
-        from fsdp_overlap_plugin.models import gpt_small
-
-        return gpt_small(n_layer=layers, d_model=width, n_head=heads, block_size=seq, vocab_size=vocab), ["blocks.*"]
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=width * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads // 2,
-        max_position_embeddings=seq,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config), ["model.layers.*"]
+        return build_gpt(width, layers, heads, vocab, seq), ["blocks.*"]
+    config = llama_config(width, layers, heads, heads // 2, width * 8 // 3, vocab, seq)
+    return build_llama(config, direct=True), ["model.layers.*"]
 
 
 def step_fn(model_name: str, model, batch):

@@ -63,25 +63,19 @@ def _build(model: str, quick: bool):
 
     torch.manual_seed(0)
     if model == "gpt":
-        from fsdp_overlap_plugin.models import fixed_batches, gpt_bench, gpt_small, loss_fn
+        from _harness.models import gpt_preset
 
-        net = gpt_small() if quick else gpt_bench()
+        from fsdp_overlap_plugin.models import fixed_batches, loss_fn
+
+        net = gpt_preset("small" if quick else "bench")
         batch, seq = SHAPES["gpt-quick" if quick else "gpt"]
         x, y = fixed_batches(1, batch, seq, net.cfg.vocab_size)[0]
         return net, lambda: loss_fn(net(x), y)
-    import transformers
+    from _harness.models import build_llama, llama_config
 
-    config = transformers.LlamaConfig(
-        vocab_size=16000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    net = transformers.LlamaForCausalLM(config)
+    # hidden 768, 12 layers of 12 heads (no grouping), MLP 2048, vocabulary 16000, untied
+    config = llama_config(768, 12, 12, 12, 2048, 16000, 256)
+    net = build_llama(config, direct=True)
     batch, seq = SHAPES["llama"]
     x = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return net, lambda: net(input_ids=x, labels=x).loss

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from _harness.launch import run_workers
-from _harness.models import BATCH_PER_RANK, LR, build_model, loss_for, parse_lengths, vocab_and_seq
+from _harness.models import BATCH_PER_RANK, LR, build_model, gpt_preset, loss_for, parse_lengths, vocab_and_seq
 from _harness.tables import time_stats
 
 MODELS = ("gpt", "hf-llama", "gpt-tiny")
@@ -194,13 +194,8 @@ def main() -> None:
 # =============================================================================== worker
 def build(name: str):
     """``(model, loss(x, y), vocab, seq)``, seeded: the same on every rank and in every mode."""
-    import torch
-
     if name == "gpt-tiny":
-        from fsdp_overlap_plugin.models import gpt_small
-
-        torch.manual_seed(0)
-        model = gpt_small()
+        model = gpt_preset("small", seed=0)
         return model, loss_for("gpt", model), TINY["vocab"], TINY["seq"]
     model = build_model(name, "small")
     vocab, seq = vocab_and_seq(name, "small")

@@ -37,23 +37,13 @@ import torch
 
 def build_checkpoint(root: Path, layers: int, vocab: int) -> tuple[Path, Path, int, dict]:
     import torch.distributed.checkpoint as dcp
-    from transformers import LlamaConfig
+    from _harness.models import build_llama, llama_config
 
-    from fsdp_overlap_plugin.shard.hf import model_from_config
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    )
+    # hidden 2048, 16 heads / 4 kv heads, MLP 5632, untied; transformers' default positions
+    config = llama_config(2048, layers, 16, 4, 5632, vocab)
     config_dir = root / "config"
     config.save_pretrained(config_dir)
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in model_from_config(config).state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in build_llama(config, device="meta").state_dict().items()}
     generator = torch.Generator().manual_seed(0)
     state = {k: torch.randn(shape, generator=generator) for k, shape in shapes.items()}
     samples = {k: v[:2].clone() for k, v in state.items()}  # the first rows, to check the export

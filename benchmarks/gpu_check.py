@@ -116,6 +116,7 @@ from _harness.gpu_models import (  # noqa: E402
     param_count,
     throughput,
 )
+from _harness.models import build_llama, gpt_preset  # noqa: E402
 from _harness.phases import (  # noqa: E402
     Console,
     PhaseRun,
@@ -398,11 +399,10 @@ def plan_summary(args: argparse.Namespace, n_layer: int | None = None) -> dict[s
 
     from fsdp_overlap_plugin import resolve_plan
     from fsdp_overlap_plugin.config.plan import auto_plan_info
-    from fsdp_overlap_plugin.models import gpt_1b
 
     cfg = model_kwargs(args, n_layer)
     with torch.device("meta"):
-        model = gpt_1b(**cfg)
+        model = gpt_preset("1b", **cfg)
     config = variant_config("compiled-on")
     plan = resolve_plan(model, config)
     info = auto_plan_info(model, config)
@@ -424,10 +424,9 @@ def llama_summary(phase: str, size: str = "default") -> dict[str, Any]:
     import torch.nn as nn
 
     from fsdp_overlap_plugin import resolve_plan
-    from fsdp_overlap_plugin.shard.hf import model_from_config
 
     shape = llama_shape(phase, size)
-    model = model_from_config(llama_config(shape), device="meta")
+    model = build_llama(llama_config(shape), device="meta")
     params = sum(p.numel() for p in model.parameters())
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     if (params, matmul) != (llama_param_count(shape), llama_matmul_params(shape)):
@@ -503,7 +502,7 @@ def phase_train(args: argparse.Namespace, phase: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.models import fixed_batches, gpt_1b, loss_fn
+    from fsdp_overlap_plugin.models import fixed_batches, loss_fn
 
     device = args._device
     cuda = device == "cuda"
@@ -516,7 +515,7 @@ def phase_train(args: argparse.Namespace, phase: str) -> dict[str, Any]:
         cfg = model_kwargs(args)
         torch.manual_seed(args.seed)
         with torch.device(device):
-            model = gpt_1b(**cfg)
+            model = gpt_preset("1b", **cfg)
         params = sum(p.numel() for p in model.parameters())
         start = time.perf_counter()
         fo.parallelize(model, config)
@@ -574,7 +573,7 @@ def code_order_check(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.models import fixed_batches, gpt_1b, loss_fn
+    from fsdp_overlap_plugin.models import fixed_batches, loss_fn
 
     seq = seq or kwargs["block_size"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -583,7 +582,7 @@ def code_order_check(
         device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
         torch.manual_seed(0)
         with torch.device(device):
-            model = gpt_1b(**kwargs)
+            model = gpt_preset("1b", **kwargs)
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
         fo.parallelize(model, variant_config("code-order"), mesh=mesh)
         x, y = (t.to(device) for t in fixed_batches(1, batch, seq, kwargs["vocab_size"])[0])
@@ -631,7 +630,6 @@ def train_llama(
     import torch
 
     import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.shard.hf import model_from_config
 
     device = args._device
     cuda = device == "cuda"
@@ -641,7 +639,7 @@ def train_llama(
     if cuda:
         torch.cuda.reset_peak_memory_stats()  # this variant's peak (the last one's memory is freed)
     torch.manual_seed(args.seed)
-    model = model_from_config(llama_config(shape), device=device)
+    model = build_llama(llama_config(shape), device=device)
     params = sum(p.numel() for p in model.parameters())
     attention = getattr(model.config, "_attn_implementation", None)
     start = time.perf_counter()
@@ -809,7 +807,6 @@ def phase_torch_passes(args: argparse.Namespace) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_overlap_plugin.models import counting_sequences
-    from fsdp_overlap_plugin.shard.hf import model_from_config
 
     shape = llama_shape("world8", args._size)
     if args._size == "default":
@@ -837,7 +834,7 @@ def phase_torch_passes(args: argparse.Namespace) -> dict[str, Any]:
             reps=args.pass_rounds,
             lr=args.lr,
             seed=args.seed,
-            build_model=lambda s, d: model_from_config(llama_config(s), device=d),
+            build_model=lambda s, d: build_llama(llama_config(s), device=d),
             batches=batches,
             mesh=mesh,
             on_progress=lambda r: _save_partial(args, {**head, **r}),

@@ -74,7 +74,7 @@ if str(REPO) not in sys.path:
 from _harness import launch, netns  # noqa: E402
 from _harness.costmodel import HOST, fsdp2_on_cpu, gloo_native, schedule  # noqa: E402
 from _harness.memory import MMAP_THRESHOLD, measure_step_memory  # noqa: E402
-from _harness.models import BATCH_PER_RANK, MODEL_SIZES, _data, loss_for  # noqa: E402
+from _harness.models import BATCH_PER_RANK, MODEL_SIZES, _data, build_gpt, loss_for  # noqa: E402
 from _harness.netns import parse_rate  # noqa: E402
 from _harness.runners import ModelRunner  # noqa: E402
 from _harness.steps import timed_steps  # noqa: E402
@@ -422,13 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 # =============================================================================== worker
 def build_model(size: str):
     """The repo GPT of ``SIZES[size]``, seeded: identical on every rank and in every mode."""
-    import torch
-
-    from fsdp_overlap_plugin.models import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    d, layers, heads, vocab, seq = SIZES[size]
-    return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d))
+    return build_gpt(*SIZES[size], seed=0)
 
 
 def make_runner(mode: str, size: str, world: int, backend: str = "inductor") -> ModelRunner:

@@ -92,18 +92,10 @@ class _Captured(Exception):
 
 
 def llama_config(layers: int, hidden: int = REAL_HIDDEN):
-    import transformers
+    """The real graphs' Llama: 4 heads / 2 kv heads, MLP 2 x hidden, vocabulary 128, tied."""
+    from _harness import models
 
-    return transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    return models.llama_config(hidden, layers, 4, 2, 2 * hidden, 128, 64, tied=True)
 
 
 def capture_real(layers: int, hidden: int = REAL_HIDDEN, seq: int = 16, batch: int = 2, **config) -> dict[str, Any]:
@@ -126,7 +118,7 @@ def capture_real(layers: int, hidden: int = REAL_HIDDEN, seq: int = 16, batch: i
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    import transformers
+    from _harness.models import build_llama
 
     captured: dict[str, Any] = {}
 
@@ -145,8 +137,7 @@ def capture_real(layers: int, hidden: int = REAL_HIDDEN, seq: int = 16, batch: i
             torch._inductor.config.patch(fx_graph_cache=False),
             torch._functorch.config.patch(enable_autograd_cache=False),
         ):
-            torch.manual_seed(0)
-            model = transformers.LlamaForCausalLM(llama_config(layers, hidden))
+            model = build_llama(llama_config(layers, hidden), seed=0, direct=True)
             fo.parallelize(model, {"backend": "inductor", **config})
             x = torch.randint(0, model.config.vocab_size, (batch, seq))
             try:

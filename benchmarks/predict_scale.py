@@ -44,15 +44,6 @@ PUBLISHED = {
 # How much longer eager compute takes than compiled, measured on one H200 (issue 42):
 # gpt_1b eager fully_shard 0.291 s per step against 0.277 s compiled with the passes.
 EAGER_COMPUTE = 0.291 / 0.277
-LLAMA3_8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-}
 SCENARIOS = (
     ("8x H100, one NVLink node", "h100-nvlink", 8, 1),
     ("4 nodes x 8 H100, InfiniBand 400G, HSDP (shard 8, replicate 4)", "h100-ib400", 32, 4),
@@ -65,15 +56,10 @@ VARIANTS = (
 
 
 def build(layers: int, seq: int):
-    import torch
-    from transformers import LlamaConfig
+    """Llama 3.1 8B with ``layers`` layers on the meta device (``_harness/models.py``)."""
+    from _harness.models import build_llama, llama3_8b_config
 
-    from fsdp_overlap_plugin.shard.hf import model_from_config
-
-    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max(seq, 8192), **LLAMA3_8B)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        return model_from_config(config, device="meta")
+    return build_llama(llama3_8b_config(layers, seq), device="meta")
 
 
 def predict(args: argparse.Namespace) -> dict:

@@ -81,21 +81,12 @@ SEQ = 16
 
 # ----------------------------------------------------------------------------- one rank
 def _llama():
-    import torch
-    import transformers as T
+    from _harness.models import build_llama, llama_config
 
-    config = T.LlamaConfig(
-        vocab_size=97,  # odd: shards of 49 and 48 rows
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return T.AutoModelForCausalLM.from_config(config)
+    # hidden 32, 2 layers, 4 heads / 2 kv heads, MLP 64, vocabulary 97 (odd: shards of 49 and
+    # 48 rows), tied head
+    config = llama_config(32, 2, 4, 2, 64, 97, 64, tied=True)
+    return build_llama(config, seed=0)
 
 
 def _batches(steps: int, world: int):

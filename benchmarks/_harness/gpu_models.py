@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from _harness import models
+
 # The transformers Llamas of hf-1rank and world8 (LlamaConfig fields in plain names), and
 # the tiny ones `--_size tiny` puts in their place so that a CPU test runs each phase.
 # hf-1rank: 0.51B parameters (grouped-query attention, 8 of 16 heads); world8: Llama3-8B's
@@ -126,19 +128,17 @@ def llama_flops_per_token(shape: dict[str, Any], seq: int) -> float:
 def llama_config(shape: dict[str, Any]) -> Any:
     """The ``transformers.LlamaConfig`` of ``shape``, built with the fields transformers 5.17
     (the GPU machines') already has: rope theta through ``rope_parameters``, sdpa attention,
-    no KV cache (training), untied lm_head, positions up to the sequence length."""
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["n_layer"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=shape["seq"],
+    no KV cache (training), untied lm_head, positions up to the sequence length (built by
+    ``models.llama_config``, where every benchmark's model config is built)."""
+    return models.llama_config(
+        shape["hidden"],
+        shape["n_layer"],
+        shape["heads"],
+        shape["kv_heads"],
+        shape["intermediate"],
+        shape["vocab"],
+        shape["seq"],
         rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
-        tie_word_embeddings=False,
         use_cache=False,
         attn_implementation="sdpa",
     )

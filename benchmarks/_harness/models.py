@@ -1,7 +1,11 @@
 """The benchmarks' model zoo: the repo GPT and a transformers Llama by size, their losses
-and block plans, and the fixed batches every rank and mode trains on."""
+and block plans, and the fixed batches every rank and mode trains on; and the one place the
+scripts build a model or a model config (``build_gpt``, ``gpt_preset``, ``llama_config``,
+``llama3_8b_config``, ``build_llama``: tests/test_harness_layout.py holds that)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 MODEL_SIZES = {
     # name: (d_model, n_layer, n_head, vocab, seq); ~parameters in the comment
@@ -54,13 +58,110 @@ def build_model(model: str, size: str):
 
     torch.manual_seed(0)
     if model == "gpt":
-        from fsdp_overlap_plugin.models import GPT, GPTConfig
-
-        d, layers, heads, vocab, seq = MODEL_SIZES[size]
-        return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d))
+        return build_gpt(*MODEL_SIZES[size])
     if model == "hf-qwen2":
         return build_hf_qwen2(*HF_QWEN2_SIZES[size])
     return build_hf_llama(*HF_LLAMA_SIZES[size])
+
+
+def build_gpt(d_model: int, layers: int, heads: int, vocab: int, seq: int, *, seed: int | None = None):
+    """The repo GPT of a ``MODEL_SIZES`` tuple (d_model, layers, heads, vocab, seq); with
+    ``seed``, ``torch.manual_seed(seed)`` first."""
+    return gpt_preset(
+        "small", seed=seed, vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d_model
+    )
+
+
+def gpt_preset(name: str = "small", *, seed: int | None = None, **overrides: int):
+    """The package's own GPT presets (``fsdp_overlap_plugin.models.gpt_small`` /
+    ``gpt_bench`` / ``gpt_1b``: "small", "bench", "1b"), ``GPTConfig`` fields overridden by
+    ``overrides``; with ``seed``, ``torch.manual_seed(seed)`` first. Built on the current
+    default device (``with torch.device("meta"):`` around the call). The scripts build
+    their GPTs only here."""
+    import torch
+
+    from fsdp_overlap_plugin.models import gpt_1b, gpt_bench, gpt_small
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return {"small": gpt_small, "bench": gpt_bench, "1b": gpt_1b}[name](**overrides)
+
+
+def llama_config(
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    seq: int | None = None,
+    *,
+    tied: bool = False,
+    **fields: Any,
+):
+    """A transformers ``LlamaConfig`` in the zoo's plain names (the order of an
+    ``HF_LLAMA_SIZES`` tuple); ``seq`` is ``max_position_embeddings`` (None: transformers'
+    default), ``fields`` any other ``LlamaConfig`` field as transformers spells it. Only the
+    fields given are set, so each script's Llama is the one it always built."""
+    import transformers
+
+    if seq is not None:
+        fields["max_position_embeddings"] = seq
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        **fields,
+    )
+
+
+# Llama 3.1 8B's layer shapes and vocabulary in transformers' names (predict_scale.py's model,
+# with as many layers as it asks for)
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def llama3_8b_config(layers: int, seq: int):
+    """Llama 3.1 8B's ``LlamaConfig`` with ``layers`` decoder layers, positions up to
+    ``max(seq, 8192)``, sdpa attention."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max(seq, 8192), **LLAMA3_8B)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_llama(config: Any, *, device: Any = None, seed: int | None = None, direct: bool = False):
+    """The transformers Llama of ``config`` (``llama_config``), randomly initialised: as
+    the plugin builds one from a config (``shard.hf.model_from_config``: the class the
+    config's ``architectures`` names, else ``AutoModelForCausalLM.from_config``), or with
+    ``direct`` by calling ``LlamaForCausalLM(config)`` (the scripts that always did keep
+    doing so). ``device="meta"``: nothing allocated; ``seed``: ``torch.manual_seed`` first."""
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    if direct:
+        import contextlib
+
+        import transformers
+
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return transformers.LlamaForCausalLM(config)
+    from fsdp_overlap_plugin.shard.hf import model_from_config
+
+    return model_from_config(config, device=device)
 
 
 def build_hf_llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seq: int):
