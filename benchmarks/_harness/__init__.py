@@ -3,7 +3,9 @@
 
     netns         link shaping: network namespaces, a veth pair, ``tc`` rates
     launch        gloo ranks as processes (in the namespaces or on loopback), results back
-    models        the model zoo (GPT, transformers Llama) by size, losses, fixed batches
+    models        the model zoo (GPT, transformers Llama) by size, losses, fixed batches; the
+                  one place the scripts build a model or a model config
+    types         what the probes need of a runner (a protocol: no import back into runners)
     runners       step_time.py's modes: one mode's model and step, the comm-only replay
     steps         the rank worker loop: warm-up, then barrier-timed steps per repetition
     memory        memory probes: resident memory, a model's state, one step's peak

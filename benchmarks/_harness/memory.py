@@ -7,7 +7,7 @@ import resource
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from _harness.runners import ModelRunner
+    from _harness.types import StepRunner
 
 
 def rss_mib() -> float:
@@ -81,7 +81,7 @@ dynamic threshold soon serves tensors from the heap, which keeps freed pages). S
 process's resident memory follows the bytes alive, on every thread."""
 
 
-def measure_step_memory(runner: ModelRunner, batches, barrier, rss_steps: int = 2) -> dict:
+def measure_step_memory(runner: StepRunner, batches, barrier, rss_steps: int = 2) -> dict:
     """A step's memory on this rank, after warm-up (see ``--memory`` in the docstring):
 
     * ``state_bytes``: parameter shards + gradients + buffers held when a step starts;

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from _harness import schedule_sim
 
 if TYPE_CHECKING:
-    from _harness.runners import ModelRunner
+    from _harness.types import StepRunner
 
 
 class LinkSampler:
@@ -93,7 +93,7 @@ def thread_cpu_ms() -> dict[str, float]:
     return cpu
 
 
-def trace_step(runner: ModelRunner, batch, trace_dir: Path, rank: int) -> dict:
+def trace_step(runner: StepRunner, batch, trace_dir: Path, rank: int) -> dict:
     """``--trace-dir``: one step's threads' CPU time (of ``--trace-mode``, `both` by
     default), then one more step under
     torch.profiler; its chrome trace goes to ``trace_dir`` and its collectives (launch on
