@@ -25,3 +25,25 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"native crashes: {len(crashes)}", red=bool(crashes), bold=bool(crashes))
     for entry in crashes:
         terminalreporter.write_line(f"  {entry}", red=True)
+
+
+# Each test's time (setup + call + teardown), written at the end of the session to
+# $FSDP_OVERLAP_DURATIONS_DIR/torch-<release>-<pid>.tsv when that is set: .ci/run sets it and
+# prints the slowest tests of each lane, the data to keep CI under its budget with.
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    folder = os.environ.get("FSDP_OVERLAP_DURATIONS_DIR")
+    if not folder or not _durations:
+        return
+    import torch
+
+    release = torch.__version__.split("+")[0]
+    path = Path(folder) / f"torch-{release}-{os.getpid()}.tsv"
+    rows = sorted(_durations.items(), key=lambda item: -item[1])
+    path.write_text("".join(f"{seconds:.1f}\t{nodeid}\n" for nodeid, seconds in rows))
