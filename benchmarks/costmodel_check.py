@@ -74,13 +74,13 @@ SEND_FIRST = 2.0
 FITTED = ("latency", "contention")
 GRID = {"latency": [i * 0.25e-3 for i in range(25)], "contention": [i * 0.25 for i in range(49)]}
 # What the check claims, in one place (printed by the script, quoted by benchmarks/RESULTS.md,
-# asserted by tests/test_costmodel_bench.py), the same for the in-sample and the held-out
+# asserted by tests/bench/test_costmodel_bench.py), the same for the in-sample and the held-out
 # runs: each CPU row's |predicted / measured - 1| within "row" ("compiled" for that mode: one
 # collective per parameter, which at 100 Mbit measures faster than the model plays it), each
 # set's mean within "mean". Set on the in-sample runs (and the 200 Mbit ones), before the
 # hf-qwen2 run was measured.
 BOUNDS = {"row": 0.12, "compiled": 0.25, "mean": 0.06}
-# The table benchmarks/RESULTS.md shows (--json): tests/test_costmodel_bench.py holds each
+# The table benchmarks/RESULTS.md shows (--json): tests/bench/test_costmodel_bench.py holds each
 # row's prediction to it within PIN, which sees the terms too small for BOUNDS to see.
 TABLE = DATA / "table.json"
 PIN = 0.005  # the predictions are deterministic: 0.5% still leaves room for float noise

@@ -1,6 +1,6 @@
 """The core interface: everything an adapter (``lightning/``, ``accelerate/``) needs from the
 plugin, in one place. Adapters import this module and ``config/`` (plus their own compat
-module), nothing else of the package; ``tests/test_layout.py`` holds them to it.
+module), nothing else of the package; ``tests/repo/test_layout.py`` holds them to it.
 
 What an adapter does with it, in the order a run needs it:
 

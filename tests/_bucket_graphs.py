@@ -1,6 +1,6 @@
 """Two ranks of a fake process group in one process: the graphs gpt_small compiles to,
 with the passes on, and what the passes must have made of them. Shared by the GPU test
-(tests/test_gpu_cuda.py, CUDA tensors) and its CPU twin (tests/test_gpu_check.py)."""
+(tests/bench/test_gpu_cuda.py, CUDA tensors) and its CPU twin (tests/bench/test_gpu_check.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``docs/config.md``, generated from the field docstrings of ``OverlapConfig`` (``make docs``;
-``tests/test_config.py`` keeps the file current)."""
+``tests/config/test_config.py`` keeps the file current)."""
 
 from __future__ import annotations
 

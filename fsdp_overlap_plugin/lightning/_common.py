@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 # The OverlapConfig keys. The strategies spell each out as a keyword argument (LightningCLI
-# accepts only named parameters as init_args); tests/test_lightning.py checks that their
+# accepts only named parameters as init_args); tests/lightning/test_lightning.py checks that their
 # signatures cover every key, so a key added to OverlapConfig cannot be forgotten there.
 CONFIG_FIELDS = tuple(OverlapConfig.field_docs())
 

@@ -101,7 +101,7 @@ def backend_for(device_type: str) -> str:
 # and all_to_all_single plus a local sum give bitwise equal results: on 2 ranks each output
 # element is one addition of two numbers either way. On 3 and 4 ranks the ring adds in
 # another order than the local sum (measured: 0-3 of 20 random fp32/bf16/fp16 tensors
-# equal), so there the all-to-all is only equal up to rounding. tests/test_reduce_scatter_impl.py
+# equal), so there the all-to-all is only equal up to rounding. tests/runtime/test_reduce_scatter_impl.py
 # checks both claims on real gloo ranks.
 GLOO_ALL_TO_ALL_BITWISE = (2,)
 
