@@ -78,7 +78,7 @@ def aot_eager_backend(state: OverlapState):
 
 
 def _inner_backend(state: OverlapState):
-    if state.config.backend == "inductor":
+    if state.passes.backend == "inductor":
         from .inductor import inductor_backend  # inductor is imported only to compile with it
 
         return inductor_backend(state, run_passes, run_reshard)
@@ -138,7 +138,7 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
             error = exc
         finally:
             state.graph_id = None
-        if config.backend == "inductor":
+        if state.passes.backend == "inductor":
             state.compile_cache.append(_cache_use(index, graph_id, before, _cache_counters()))
         records = state.records[records_before:]
         if error is None and not records and state.passes_on:

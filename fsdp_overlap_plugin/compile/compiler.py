@@ -134,11 +134,11 @@ def _install_call_guard(model: nn.Module, state: OverlapState, progress: Compile
             unsupported = _find(exc, compat.dynamo_unsupported_error())
             if unsupported is not None and _is_recompile_limit(unsupported):
                 raise RecompileLimitError(recompile_limit_message(state)) from exc
-            if unsupported is not None and state.config.fullgraph:
+            if unsupported is not None and state.passes.fullgraph:
                 raise GraphBreakError(graph_break_message(unsupported)) from exc
             raise
         if (
-            not state.config.fullgraph
+            not state.passes.fullgraph
             and state.dynamo_graphs == graphs_before
             and "recompile-limit" not in state.warned
         ):
@@ -181,6 +181,6 @@ def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:
     stay as they are; no ``_orig_mod`` wrapper)."""
     dynamic = {"auto": None}.get(state.config.dynamic, state.config.dynamic)  # torch.compile's meaning
     progress = CompileProgress(state)
-    model.compile(backend=overlap_backend(state, progress), fullgraph=state.config.fullgraph, dynamic=dynamic)
+    model.compile(backend=overlap_backend(state, progress), fullgraph=state.passes.fullgraph, dynamic=dynamic)
     _install_call_guard(model, state, progress)
     return model

@@ -61,15 +61,16 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
     state = get_state(model)
     if state is None:
         raise ValueError("schedule_report: this model was not prepared by fsdp_overlap_plugin.parallelize().")
-    config = state.config
-    graphs = _labelled(state.records, config.fullgraph)
-    running = current(graphs, config.fullgraph)
-    joints = current(state.reshard, config.fullgraph)
+    config, switches = state.config, state.passes
+    graphs = _labelled(state.records, switches.fullgraph)
+    running = current(graphs, switches.fullgraph)
+    joints = current(state.reshard, switches.fullgraph)
+    backend = switches.backend if not state.fallback else None
     report: dict[str, Any] = {
         "mode": (
             "eager after a compile failure"
             if state.fallback
-            else ("compiled" if config.compile else "eager fully_shard")
+            else ("compiled" if switches.backend is not None else "eager fully_shard")
         ),
         "fallback_reason": state.fallback,
         # the plugin's compiled forward has run: no graph recorded after that means the passes
@@ -78,10 +79,10 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
         "world_size": state.world_size,
         "mesh": list(state.mesh_shape),
         "device_type": state.device_type,
-        "backend": config.backend if config.compile and not state.fallback else None,
+        "backend": backend,
         "passes": {
-            "manual_bucketing": config.manual_bucketing and config.compile,
-            "overlap_grad_reduce": config.overlap_grad_reduce and config.compile,
+            "manual_bucketing": switches.manual_bucketing,
+            "overlap_grad_reduce": switches.overlap_grad_reduce,
         },
         "reduce_scatter": {
             "requested": config.reduce_scatter_impl,
@@ -93,9 +94,7 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
             "exchanges": exchanges_run(*state.exchange_groups.values()) - state.exchanges_before,
         },
         # which of inductor's own distributed passes ran on our graphs (inductor_overlap)
-        "torch_passes": describe_torch_passes(
-            config.inductor_overlap, config.backend if config.compile and not state.fallback else None
-        ),
+        "torch_passes": describe_torch_passes(switches.inductor_overlap, backend),
         "prefetch": prefetch_total(running, config),
         "plan": state.plan,
         "reshard": reshard_total(joints),
@@ -180,7 +179,7 @@ def checkpointing_total(state: Any) -> dict:
     tagged over the joint graphs that run now ({} when nothing is checkpointed)."""
     if not state.checkpointed:
         return {}
-    graphs = [g["checkpointing"] for g in current(state.reshard, state.config.fullgraph) if g.get("checkpointing")]
+    graphs = [g["checkpointing"] for g in current(state.reshard, state.passes.fullgraph) if g.get("checkpointing")]
     traced = list(dict.fromkeys(m for g in graphs for m in g["regions"]))
     return {
         "modules": list(state.checkpointed),
