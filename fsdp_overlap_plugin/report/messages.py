@@ -459,5 +459,5 @@ class CompileProgress:
         cache = self.state.compile_cache[self.cache_before :]
         plural = "s" if graphs != 1 else ""
         if not cache:  # aot_eager: inductor's caches are not used
-            return f"{graphs} graph{plural}, backend {self.state.passes.backend}: no compile cache"
+            return f"{graphs} graph{plural}, backend {self.state.config.backend}: no compile cache"
         return f"{cache_hits(cache)} of {len(cache)} graph{'s' if len(cache) != 1 else ''} from the compile cache"
