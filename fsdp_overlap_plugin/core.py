@@ -52,7 +52,7 @@ _WHERE = {
     "retire": ".shard.atomic_checkpoint",
     "written_atomically": ".shard.atomic_checkpoint",
     # tell the user
-    "format_report": ".report.schedule",
+    "format_report": ".report.schedule_text",
     "process_rank": ".report.messages",
     "say": ".report.messages",
     "schedule_report": ".report.schedule",

@@ -14,12 +14,13 @@ from .contract import BucketIndex
 from .report.messages import install_excepthook, process_rank, say
 from .runtime import accumulation, devices
 from .runtime.exchange import build_receive_first_group, exchanges_run
-from .runtime.state import _STATE_ATTR, OverlapState, local_layout, model_fingerprint
+from .runtime.state import _STATE_ATTR, OverlapState, decide_passes, local_layout, model_fingerprint
 from .shard import hf
 from .shard.activation_checkpointing import apply_activation_checkpointing
 from .shard.export import install_save_pretrained
 from .shard.preflight import Preflight, preflight
 from .shard.sharding import (
+    ShardSettings,
     build_gather_group,
     build_mesh,
     fully_shard_plan,
@@ -124,14 +125,20 @@ def parallelize(
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         overrides["mesh"] = mesh  # the config field (a dict / MeshConfig), not a DeviceMesh
         mesh = None
+    # the config is read, checked and resolved here, once; the stages below get plain values
     config = OverlapConfig.coerce(config, **overrides)
     # pure: every rank raises the same error here, and fsdp-overlap check runs the same
     if checked is None:
         checked = preflight(model, config)
     plan, checkpointed = checked.plan, checked.checkpointed
+    sharding = ShardSettings(
+        param_dtype=config.torch_param_dtype,
+        reduce_dtype=config.torch_reduce_dtype,
+        reshard_after_forward=config.reshard_after_forward,
+    )
     if mesh is None:
         device_type = devices.detect_device_type()
-        mesh = build_mesh(config, device_type)
+        mesh = build_mesh(config.mesh, device_type)
     elif mesh.ndim not in (1, 2):
         raise OverlapConfigError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D.")
     device_type = mesh.device_type
@@ -154,6 +161,7 @@ def parallelize(
         unbucketed_params=[fqn for fqn, entry in entries.items() if entry is None],
         last_bucket=max((e for e in entries.values() if e is not None), default=None),
         param_entries=entries,
+        passes=decide_passes(config),
     )
     state.adjustments.extend(pop_compile_notes(model) + checked.notes)
     if not hash_pinned and mesh.ndim == 2 and config.compile:
@@ -174,7 +182,7 @@ def parallelize(
         )
     if config.compile:
         state.adjustments.extend(hf.prepare_for_compile(model))
-        shard_parameters(model, mesh, config)
+        shard_parameters(model, mesh, sharding)
         state.local_layout = local_layout(model)
         if _separate_gather_group(config, device_type):
             state.gather_group = build_gather_group(mesh)
@@ -194,7 +202,7 @@ def parallelize(
         from_config = [fqn for fqn in checkpointed if fqn not in hf_layers]
         state.after_prepare = AfterPrepare(model, state, hf_layers, from_config)
     else:
-        fully_shard_plan(model, mesh, plan, config, notes=state.adjustments)
+        fully_shard_plan(model, mesh, plan, sharding, notes=state.adjustments)
     # transformers' own save_pretrained would gather each sharded tensor on the writing
     # rank alone (a hang); this one is collective and streams (shard/export.py)
     install_save_pretrained(model)

@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..config.parse import dtype_name
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..report import costmodel
+from ..runtime.state import decide_passes
 from .analysis import analyze, bucket_rows, module_tree, tied_parameters
 from .configs import SHAPES, LoadedConfig, load_config
 from .errors import CliError
@@ -325,7 +326,7 @@ def cmd_check(args: argparse.Namespace) -> Result:
     lines += memory_lines(result, config)
     lines += reduce_scatter_lines(out["reduce_scatter"], config)
     lines += warning_lines(result)
-    passes = [name for name in ("manual_bucketing", "overlap_grad_reduce") if getattr(config, name)]
+    passes = decide_passes(config).names  # the decision parallelize makes, not a copy of it
     lines.append(
         f"OK: {len(rows)} buckets, {plural(len(result['warnings']), 'warning')}; "
         + (

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report.costmodel import draw_timeline, predicted, report_rates
-from ..report.schedule import _ms, hidden_comm, overlap_lines, report_predicted
+from ..report.schedule_text import _ms, hidden_comm, overlap_lines, report_predicted
 from .errors import CliError
 from .options import GRAPHS, rate_arg
 from .text import format_bytes, format_flops, table
@@ -22,7 +22,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 SENT_AS_ALL_TO_ALL = "reduce-scatter, sent as all-to-all"
 #: The node-order words: a collective with no compute between its launch and its wait
 #: cannot hide behind any. Not "exposed": exposed and hidden are the cost model's predicted
-#: time (``report.schedule.hidden_comm``), which the "predicted" lines print.
+#: time (``report.schedule_text.hidden_comm``), which the "predicted" lines print.
 CANNOT_HIDE = "cannot hide"
 
 

@@ -18,7 +18,8 @@ import torch
 
 from ..config.parse import format_bytes, parse_dtype
 from ..shard.checkpoint_reader import model_names, open_checkpoint
-from ..shard.export import Group, export_root, plan_export, tied_groups, write_folder
+from ..shard.export import export_root, tied_groups
+from ..shard.export_files import Group, plan_export, write_folder
 from .errors import CliError
 from .models import load_model
 

@@ -36,10 +36,10 @@ import torch.fx as fx
 from .. import _torch_compat as compat
 from ..report.messages import CompileProgress
 from ..runtime.state import OverlapState
-from .cache_records import _cache_counters, _cache_use, _records_from_cache
-from .diagnostics import CompileFallback, PeerCompileError, _check_unbucketed, _recompile_reason, _symbolic_sizes
+from .cache_records import cache_counters, cache_use, records_from_cache
+from .diagnostics import CompileFallback, PeerCompileError, check_unbucketed, recompile_reason, symbolic_sizes
 from .pass_table import run_passes, run_reshard
-from .rank_check import _check_same_collectives, _check_same_graph, _collective_entries
+from .rank_check import check_same_collectives, check_same_graph, collective_entries
 
 __all__ = ["aot_eager_backend", "overlap_backend"]
 
@@ -78,7 +78,7 @@ def aot_eager_backend(state: OverlapState):
 
 
 def _inner_backend(state: OverlapState):
-    if state.config.backend == "inductor":
+    if state.passes.backend == "inductor":
         from .inductor import inductor_backend  # inductor is imported only to compile with it
 
         return inductor_backend(state, run_passes, run_reshard)
@@ -105,7 +105,7 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
             state.after_prepare.check_unchanged()
         state.dynamo_graphs += 1
         index = state.dynamo_graphs
-        reason = _recompile_reason(state)
+        reason = recompile_reason(state)
         if progress is not None:
             progress.graph_started(reason)  # rank 0: "compiling the model again (...)", a few times at most
         # keys unique per model and torchrun attempt (a restart may reuse the store)
@@ -122,9 +122,9 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
         state.graph_id = local[:_GRAPH_ID_CHARS] + ("" if torch.is_grad_enabled() else "-no-grad")
         graph_id = state.graph_id
         records_before, joints_before = len(state.records), len(state.reshard)
-        sizes = _symbolic_sizes(gm)
+        sizes = symbolic_sizes(gm)
         error: BaseException | None = None
-        before = _cache_counters()
+        before = cache_counters()
         try:
             with compat.eager_backward_lowering():
                 compiled = inner(gm, example_inputs)
@@ -138,15 +138,15 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
             error = exc
         finally:
             state.graph_id = None
-        if config.backend == "inductor":
-            state.compile_cache.append(_cache_use(index, graph_id, before, _cache_counters()))
+        if state.passes.backend == "inductor":
+            state.compile_cache.append(cache_use(index, graph_id, before, cache_counters()))
         records = state.records[records_before:]
         if error is None and not records and state.passes_on:
-            records = _records_from_cache(state, graph_id)
+            records = records_from_cache(state, graph_id)
         for record in records + state.reshard[joints_before:]:
             record["dynamo_graph"] = index  # which compile of the forward it came from (the report)
             record["dynamic_sizes"] = sizes
-        collectives = _collective_entries(records) if state.passes_on else None
+        collectives = collective_entries(records) if state.passes_on else None
         key = hashlib.sha256(json.dumps(collectives if collectives is not None else digest).encode()).hexdigest()
         if reason is not None:
             state.recompiles.append({"graph": index, "reason": reason, "agreed_before": key in state.agreed})
@@ -154,7 +154,7 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
             # a recompile (a new sequence length, a dynamic one) that leaves collectives
             # every rank already agreed on: the ranks need not recompile at the same step
             # (each pads its own batches), so no agreement round is held for it
-            _check_unbucketed(state, records, index)
+            check_unbucketed(state, records, index)
             return compiled
         if agreement is not None and error is not None and state.agreed:
             # a recompile on this rank alone (the others may run an agreed graph and never
@@ -175,11 +175,11 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
                 "uncompiled."
             )
         if agreement is not None and config.rank_check != "off":
-            _check_same_graph(agreement, digest, entries, index, config.rank_check)
+            check_same_graph(agreement, digest, entries, index, config.rank_check)
             if collectives is not None:
-                _check_same_collectives(agreement, collectives, index, config.rank_check)
+                check_same_collectives(agreement, collectives, index, config.rank_check)
         state.agreed.append(key)
-        _check_unbucketed(state, records, index)
+        check_unbucketed(state, records, index)
         return compiled
 
     return backend

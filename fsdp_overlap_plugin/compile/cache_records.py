@@ -9,8 +9,10 @@ from .. import _torch_compat as compat
 from ..runtime.records import load_graph_records
 from ..runtime.state import OverlapState
 
+__all__ = ["cache_counters", "cache_use", "records_from_cache"]
 
-def _cache_counters() -> dict[str, int]:
+
+def cache_counters() -> dict[str, int]:
     counters = compat.dynamo_counters()
     return {
         f"{group}.{key}": counters[group][key]
@@ -22,7 +24,7 @@ def _cache_counters() -> dict[str, int]:
     }
 
 
-def _cache_use(index: int, graph_id: str, before: dict[str, int], after: dict[str, int]) -> dict:
+def cache_use(index: int, graph_id: str, before: dict[str, int], after: dict[str, int]) -> dict:
     """What inductor's own counters say its caches did while compiling one Dynamo graph:
     the evidence behind the report's "from the compile cache", independent of our records."""
     delta = {key: after[key] - before[key] for key in after}
@@ -35,7 +37,7 @@ def _cache_use(index: int, graph_id: str, before: dict[str, int], after: dict[st
     }
 
 
-def _records_from_cache(state: OverlapState, graph_id: str) -> list[dict]:
+def records_from_cache(state: OverlapState, graph_id: str) -> list[dict]:
     """The records the passes left for this graph when it was compiled before: on an FX
     graph cache hit inductor loads compiled code without running them."""
     records = [dict(r, from_cache=True) for r in load_graph_records(state.cache_key(), graph_id, rank=state.rank)]

@@ -32,10 +32,10 @@ from .diagnostics import (
     PeerCompileError,
     RecompileLimitError,
     UnbucketedError,
-    _is_recompile_limit,
-    _warn_graph_breaks,
     graph_break_message,
+    is_recompile_limit,
     recompile_limit_message,
+    warn_graph_breaks,
 )
 
 __all__ = ["compile_model"]
@@ -132,13 +132,13 @@ def _install_call_guard(model: nn.Module, state: OverlapState, progress: Compile
             if ours is not None:
                 raise ours from None  # our message, not Dynamo's wrapper around it
             unsupported = _find(exc, compat.dynamo_unsupported_error())
-            if unsupported is not None and _is_recompile_limit(unsupported):
+            if unsupported is not None and is_recompile_limit(unsupported):
                 raise RecompileLimitError(recompile_limit_message(state)) from exc
-            if unsupported is not None and state.config.fullgraph:
+            if unsupported is not None and state.passes.fullgraph:
                 raise GraphBreakError(graph_break_message(unsupported)) from exc
             raise
         if (
-            not state.config.fullgraph
+            not state.passes.fullgraph
             and state.dynamo_graphs == graphs_before
             and "recompile-limit" not in state.warned
         ):
@@ -157,7 +157,7 @@ def _install_call_guard(model: nn.Module, state: OverlapState, progress: Compile
             state.called = True
             graphs = state.dynamo_graphs - graphs_before
             if graphs > 1:
-                _warn_graph_breaks(model, state, graphs, state.records[records_before:])
+                warn_graph_breaks(model, state, graphs, state.records[records_before:])
         return out
 
     setattr(call, PLUGIN_CALL_ATTR, True)
@@ -181,6 +181,6 @@ def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:
     stay as they are; no ``_orig_mod`` wrapper)."""
     dynamic = {"auto": None}.get(state.config.dynamic, state.config.dynamic)  # torch.compile's meaning
     progress = CompileProgress(state)
-    model.compile(backend=overlap_backend(state, progress), fullgraph=state.config.fullgraph, dynamic=dynamic)
+    model.compile(backend=overlap_backend(state, progress), fullgraph=state.passes.fullgraph, dynamic=dynamic)
     _install_call_guard(model, state, progress)
     return model

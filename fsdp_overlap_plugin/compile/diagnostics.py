@@ -25,8 +25,13 @@ __all__ = [
     "RecompileLimitError",
     "UnbucketedError",
     "UnbucketedWarning",
+    "check_unbucketed",
     "graph_break_message",
+    "is_recompile_limit",
     "recompile_limit_message",
+    "recompile_reason",
+    "symbolic_sizes",
+    "warn_graph_breaks",
 ]
 
 
@@ -56,7 +61,7 @@ class UnbucketedWarning(UserWarning):
     """Collectives that run unbucketed (outside the plan, or missed with ``on_unbucketed: warn``)."""
 
 
-def _check_unbucketed(state: OverlapState, records: list[dict], index: int) -> None:
+def check_unbucketed(state: OverlapState, records: list[dict], index: int) -> None:
     """Stop (``on_unbucketed: error``) or warn when a graph holds FSDP collectives that
     the bucketing left alone although they belong to a plan entry, or that could not be
     attributed to any parameter; warn for parameters no plan entry covers.
@@ -149,7 +154,7 @@ def graph_break_message(exc: BaseException) -> str:
     )
 
 
-def _is_recompile_limit(exc: BaseException) -> bool:
+def is_recompile_limit(exc: BaseException) -> bool:
     # Dynamo words it "Dynamo recompile limit exceeded" (2.11 to 2.15; "cache size limit"
     # before the rename)
     text = str(exc)
@@ -177,7 +182,7 @@ def recompile_limit_message(state: OverlapState) -> str:
     )
 
 
-def _warn_graph_breaks(model: nn.Module, state: OverlapState, graphs: int, records: list[dict]) -> None:
+def warn_graph_breaks(model: nn.Module, state: OverlapState, graphs: int, records: list[dict]) -> None:
     forward = [r for r in records if r["graph"] == "forward"]
     gathered = sum(r["before"]["all_gather"] for r in forward)
     bucketed = sum(r["after"]["all_gather"] for r in forward)
@@ -197,7 +202,7 @@ def _warn_graph_breaks(model: nn.Module, state: OverlapState, graphs: int, recor
     )
 
 
-def _recompile_reason(state: OverlapState) -> str | None:
+def recompile_reason(state: OverlapState) -> str | None:
     """Why Dynamo is compiling this model's forward again (the guard that failed, as
     Dynamo words it), or None for its first graph."""
     if state.dynamo_graphs <= 1:
@@ -219,7 +224,7 @@ def _reason_words(reason: str) -> str:
     return rest if rest and head.replace("/", "").replace("_", "").isalnum() else first
 
 
-def _symbolic_sizes(gm: fx.GraphModule) -> list[dict]:
+def symbolic_sizes(gm: fx.GraphModule) -> list[dict]:
     """The input sizes Dynamo compiled this graph for symbolically (a dynamic sequence
     length): each as ``{"input", "dim", "size", "traced_at"}``, ``size`` the expression
     and ``traced_at`` its value in the call that compiled it (what estimates count with)."""

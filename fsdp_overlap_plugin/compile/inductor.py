@@ -70,9 +70,9 @@ def inductor_options(state: Any, run_passes: Callable, run_reshard: Callable) ->
             config.joint_custom_post_pass, ReshardJointPass(state, run_reshard)
         ),
         # what inductor's own distributed passes may do after ours (inductor_overlap)
-        **torch_passes.config_patches(state.config.inductor_overlap),
+        **torch_passes.config_patches(state.passes.inductor_overlap),
     }
-    if state.config.inductor_overlap == "auto":
+    if state.passes.inductor_overlap == "auto":
         options.update(torch_passes.auto_patches(state.device_type, _rates(state)))
     if state.passes_on:
         options["post_grad_custom_post_pass"] = compat.chain_graph_passes(
@@ -99,7 +99,7 @@ def inductor_backend(state: Any, run_passes: Callable, run_reshard: Callable) ->
     options = inductor_options(state, run_passes, run_reshard)
 
     def inductor(gm: fx.GraphModule, example_inputs: list) -> Any:
-        if state.config.inductor_overlap == "auto" and state.device_type != "cuda":
+        if state.passes.inductor_overlap == "auto" and state.device_type != "cuda":
             with torch_passes.estimates(_rates(state)):
                 return compile_fx(gm, example_inputs, config_patches=options)
         return compile_fx(gm, example_inputs, config_patches=options)

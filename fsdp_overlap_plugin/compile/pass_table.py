@@ -20,7 +20,6 @@ import torch.fx as fx
 
 from .. import _torch_compat as compat
 from .. import passes
-from ..config.schema import OverlapConfig
 from ..passes.events import graph_events
 from ..passes.graph import C10D, collective_counts
 from ..runtime.records import save_record, summarize_pass
@@ -40,11 +39,6 @@ class PassEntry(NamedTuple):
     applies_to: Callable[[str, OverlapState], bool]  # (graph kind, state) -> whether it runs
 
 
-def _reorders(config: OverlapConfig) -> bool:
-    """The passes that move collectives are on (bucketing or gradient overlap)."""
-    return config.manual_bucketing or config.overlap_grad_reduce
-
-
 # Each pass is looked up in ``passes`` when it runs (not bound here), so what runs is
 # always what ``passes`` holds now.
 POST_GRAD_PASSES: tuple[PassEntry, ...] = (
@@ -57,7 +51,7 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
     PassEntry(
         "tied",
         lambda gm, state: passes.merge_tied_reductions(gm),
-        lambda kind, state: kind == "backward" and _reorders(state.config),
+        lambda kind, state: kind == "backward" and state.passes.reorders,
     ),
     PassEntry(
         "manual_bucketing",
@@ -69,12 +63,12 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
             kept=_kept_for_backward(gm, state),
             group_ranks=_group_ranks(gm),
         ),
-        lambda kind, state: state.config.manual_bucketing,
+        lambda kind, state: state.passes.manual_bucketing,
     ),
     PassEntry(
         "overlap_grad_reduce",
         lambda gm, state: passes.overlap_grad_reduce(gm, wait_before_copy_in=state.config.memory_order == "fsdp2"),
-        lambda kind, state: kind == "backward" and state.config.overlap_grad_reduce,
+        lambda kind, state: kind == "backward" and state.passes.overlap_grad_reduce,
     ),
     PassEntry(
         "all_to_all",
@@ -85,7 +79,7 @@ POST_GRAD_PASSES: tuple[PassEntry, ...] = (
     PassEntry(
         "pin_order",
         lambda gm, state: passes.pin_collective_order(gm),
-        lambda kind, state: state.config.backend == "inductor" and _reorders(state.config),
+        lambda kind, state: state.passes.pin_order,
     ),
 )
 
@@ -106,7 +100,7 @@ def _group_ranks(gm: fx.GraphModule) -> dict[str, int]:
 def _kept_for_backward(gm: fx.GraphModule, state: OverlapState) -> tuple[int, int]:
     """``(buckets, bytes)`` the forward kept gathered, for a backward graph (what the
     reshard pass recorded for this model's joint graph; one graph: ``fullgraph``)."""
-    if state.graph_kind != "backward" or not state.reshard or not state.config.fullgraph:
+    if state.graph_kind != "backward" or not state.reshard or not state.passes.fullgraph:
         return (0, 0)
     last = state.reshard[-1]
     return (len(last.get("kept_buckets") or []), last.get("kept_bytes", 0))
@@ -121,10 +115,10 @@ def _annotate_reshard(gm: fx.GraphModule, state: OverlapState) -> dict:
         reshard_last_bucket=config.reshard_last_bucket,
         # one graph (fullgraph): its last bucket is the forward's last; with graph breaks
         # only the plan's last bucket may stay gathered (a graph cannot know it is the last)
-        keepable=None if config.fullgraph else state.last_bucket,
-        keep=config.prefetch_depth if config.manual_bucketing else 1,
+        keepable=None if state.passes.fullgraph else state.last_bucket,
+        keep=config.prefetch_depth if state.passes.manual_bucketing else 1,
         keep_budget=config.max_prefetch_bytes,
-        keep_cover=config.manual_bucketing,
+        keep_cover=state.passes.manual_bucketing,
     )
 
 
@@ -229,7 +223,7 @@ def run_reshard(gm: fx.GraphModule, state: OverlapState) -> None:
 def _warn_untraced_checkpoints(state: OverlapState, stats: dict) -> None:
     """With one graph for the whole forward, every checkpointed module that ran is in it:
     one that is not was never called there, and checkpointing it does nothing."""
-    if not state.config.fullgraph:
+    if not state.passes.fullgraph:
         return  # graph breaks: each graph holds some of the modules
     missing = [m for m in state.checkpointed if m not in stats["regions"]]
     if missing and "untraced-checkpoints" not in state.warned:

@@ -14,8 +14,10 @@ from typing import Any
 from .. import _torch_compat as compat
 from ..runtime.records import record_name, summarize_pass
 
+__all__ = ["check_same_collectives", "check_same_graph", "collective_entries"]
 
-def _check_same_graph(agreement: Any, digest: str, entries: list, index: int, mode: str) -> None:
+
+def check_same_graph(agreement: Any, digest: str, entries: list, index: int, mode: str) -> None:
     _must_agree(
         agreement,
         "fingerprint",
@@ -45,7 +47,7 @@ def _must_agree(agreement: Any, name: str, digest: str, entries: list, mode: str
 _SIZED = ("all_gather", "reduce_scatter", "all_to_all")
 
 
-def _collective_entries(records: list[dict]) -> list[list[str]]:
+def collective_entries(records: list[dict]) -> list[list[str]]:
     """What every rank's compiled graphs must share, in graph order: each collective's kind,
     group size and bytes (shard-group collectives: all-gathers, reduce-scatters and their
     all-to-all form move padded, equal sizes on every rank; a replica all-reduce moves
@@ -67,7 +69,7 @@ def _collective_entries(records: list[dict]) -> list[list[str]]:
     return entries
 
 
-def _check_same_collectives(agreement: Any, entries: list[list[str]], index: int, mode: str) -> None:
+def check_same_collectives(agreement: Any, entries: list[list[str]], index: int, mode: str) -> None:
     """Every rank's passes must leave the same collectives, in kind, order and size, or the
     ranks would issue collectives that never match (a hang, or gloo's "Received data
     size doesn't match"). The Dynamo graphs agree (checked just before), but the graphs

@@ -31,10 +31,12 @@ __all__ = [
     "AutoPlan",
     "PlanWarning",
     "auto_plan",
+    "auto_plan_buckets",
     "auto_plan_info",
     "expand_pattern",
     "find_repeated_blocks",
     "gather_bytes",
+    "plan_buckets",
     "resolve_plan",
 ]
 
@@ -119,9 +121,13 @@ def resolve_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -
     pattern that matches nothing, or two entries that share a module. Warns
     (``PlanWarning``) for a bucket whose modules own no parameters.
     """
-    config = OverlapConfig.coerce(config)
+    return plan_buckets(model, OverlapConfig.coerce(config))
+
+
+def plan_buckets(model: nn.Module, config: OverlapConfig) -> list[list[str]]:
+    """``resolve_plan`` for a config already checked (no second coerce: ``preflight``)."""
     if config.bucket_plans == "auto":
-        return auto_plan(model, config)
+        return auto_plan_buckets(model, config).buckets
     names = _module_names(model)
     name_set = set(names)
     buckets: list[list[str]] = []
@@ -252,7 +258,7 @@ class AutoPlan:
 
 def auto_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -> list[list[str]]:
     """The ``bucket_plans: auto`` plan; see ``auto_plan_info`` for the rules."""
-    return auto_plan_info(model, config).buckets
+    return auto_plan_buckets(model, OverlapConfig.coerce(config)).buckets
 
 
 def auto_plan_info(model: nn.Module, config: OverlapConfig | dict | None = None) -> AutoPlan:
@@ -285,7 +291,11 @@ def auto_plan_info(model: nn.Module, config: OverlapConfig | dict | None = None)
     The result is a pure function of the module tree, parameter shapes and dtypes and the
     config: identical on every rank, and free on a meta-device model.
     """
-    config = OverlapConfig.coerce(config)
+    return auto_plan_buckets(model, OverlapConfig.coerce(config))
+
+
+def auto_plan_buckets(model: nn.Module, config: OverlapConfig) -> AutoPlan:
+    """``auto_plan_info`` for a config already checked (no second coerce)."""
     dtype = config.torch_param_dtype
     found = find_repeated_blocks(model)
     if found is None:

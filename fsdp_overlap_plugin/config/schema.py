@@ -321,18 +321,27 @@ class OverlapConfig:
     def coerce(cls, config: OverlapConfig | dict | str | Path | None, **overrides: Any) -> OverlapConfig:
         """Accept a config object, a dict, a YAML path or None, then apply keyword overrides."""
         if isinstance(config, OverlapConfig):
-            base = config
+            if not overrides:
+                return config
+            data, source = config.to_dict(), "config"
         elif isinstance(config, (str, Path)):
-            base = cls.from_yaml(config)
+            data, source = read_yaml(config), str(config)
         elif config is None or isinstance(config, dict):
-            base = cls.from_dict(config or {})
+            data, source = config or {}, "config"
         else:
             raise OverlapConfigError(
                 f"config: expected an OverlapConfig, a dict or a YAML path, got {type(config).__name__}."
             )
         if not overrides:
-            return base
-        merged = base.to_dict()
+            return cls.from_dict(data, source=source)
+        # validated once, with the overrides applied: the base's keys are checked first, so
+        # an unknown key there is named as the base's, not as a keyword argument's
+        if not isinstance(data, dict):
+            raise OverlapConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}.")
+        check_keys(data, [f.name for f in dataclasses.fields(cls)], source=source)
+        merged = dict(data)
+        if "mesh" in merged and "mesh" not in overrides:
+            merged["mesh"] = _mesh_from_value(merged["mesh"], source)
         merged.update(overrides)
         return cls.from_dict(merged, source="keyword arguments")
 

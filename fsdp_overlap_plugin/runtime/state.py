@@ -20,7 +20,7 @@ import torch.nn as nn
 from .. import _torch_compat as compat
 from ..config.schema import PREDICTION_ONLY, OverlapConfig
 
-__all__ = ["OverlapState", "get_state", "local_layout", "model_fingerprint"]
+__all__ = ["OverlapState", "PassSwitches", "decide_passes", "get_state", "local_layout", "model_fingerprint"]
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _STATE_ATTR = "_fsdp_overlap_state"
@@ -32,6 +32,46 @@ _DIGEST_CHARS = 32
 # of passes/, events.py included).
 _SOURCE_DIRS = ("passes", "compile")
 _SOURCE_FILES = ("contract.py", "_torch_compat.py", "runtime/state.py")
+
+
+@dataclass(frozen=True)
+class PassSwitches:
+    """Which of our passes are on and how the graphs compile, decided once per model by
+    ``decide_passes``: the pass table (``compile/``), the report and the CLI read these
+    instead of deriving them from the config again."""
+
+    backend: str | None  # the torch.compile backend; None with compile: false
+    manual_bucketing: bool
+    overlap_grad_reduce: bool
+    pin_order: bool  # under inductor, the final collective order pinned as dependencies
+    fullgraph: bool
+    inductor_overlap: str  # inductor's own distributed passes (config/inductor_overlap.py)
+
+    @property
+    def reorders(self) -> bool:
+        """A pass that moves collectives is on (bucketing or gradient overlap)."""
+        return self.manual_bucketing or self.overlap_grad_reduce
+
+    @property
+    def names(self) -> list[str]:
+        """The passes the config turns on, as the report and ``fsdp-overlap check`` name them."""
+        return [name for name in ("manual_bucketing", "overlap_grad_reduce") if getattr(self, name)]
+
+
+def decide_passes(config: OverlapConfig) -> PassSwitches:
+    """The one place that decides from the config which passes run (``parallelize`` calls
+    it once per model; a hand-built ``OverlapState`` gets it on construction)."""
+    compiled = bool(config.compile)
+    bucketing = compiled and config.manual_bucketing
+    grad_overlap = compiled and config.overlap_grad_reduce
+    return PassSwitches(
+        backend=config.backend if compiled else None,
+        manual_bucketing=bucketing,
+        overlap_grad_reduce=grad_overlap,
+        pin_order=config.backend == "inductor" and (bucketing or grad_overlap),
+        fullgraph=config.fullgraph,
+        inductor_overlap=config.inductor_overlap,
+    )
 
 
 @dataclass
@@ -77,6 +117,12 @@ class OverlapState:
     summary_hooked: bool = False  # Accelerate: the summary prints after the first optimizer step
     # shard/takeover.AfterPrepare: what prepare fixed, checked by the compiled forward and the backend
     after_prepare: Any = None
+    # which passes run, the backend, fullgraph, inductor_overlap: decided once (decide_passes)
+    passes: PassSwitches = None  # type: ignore[assignment]  # filled in __post_init__ when not given
+
+    def __post_init__(self) -> None:
+        if self.passes is None:
+            self.passes = decide_passes(self.config)
 
     def uuid(self) -> str:
         """Identifies everything that changes what the passes do to a graph; the same on
@@ -93,7 +139,7 @@ class OverlapState:
         another rank's code. A merged all-gather writes the rank's shards at the rank's
         offset of its output (``passes/merge.py``), so with bucketing on the compiled
         code is the rank's own even when shards are even."""
-        rank = self.rank if self.config.manual_bucketing else ""
+        rank = self.rank if self.passes.manual_bucketing else ""
         # the process groups this rank's graphs name (the gather group, the receive-first
         # groups): on an HSDP mesh each shard group has its own, so they belong here, not
         # in uuid(), which must be the same on every rank
@@ -104,13 +150,7 @@ class OverlapState:
     @property
     def passes_on(self) -> bool:
         """Whether any post-grad pass has work to do."""
-        config = self.config
-        return (
-            config.manual_bucketing
-            or config.overlap_grad_reduce
-            or self.reduce_scatter_impl != "native"
-            or self.gather_group is not None
-        )
+        return self.passes.reorders or self.reduce_scatter_impl != "native" or self.gather_group is not None
 
 
 def get_state(model: nn.Module) -> OverlapState | None:

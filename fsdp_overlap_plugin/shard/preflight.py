@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from ..config.plan import resolve_plan
+from ..config.plan import plan_buckets
 from ..config.schema import OverlapConfig
 from .activation_checkpointing import checkpointed_modules
 
@@ -33,7 +33,7 @@ class Preflight:
 def preflight(model: nn.Module, config: OverlapConfig, world: int | None = None) -> Preflight:
     """Resolve the plan and the checkpointed modules of ``config`` against ``model``, and the
     mesh for ``world`` ranks; raise ``OverlapConfigError`` naming the key at fault."""
-    plan = resolve_plan(model, config)
+    plan = plan_buckets(model, config)
     checkpointed, notes = checkpointed_modules(model, config)
     mesh = config.mesh.sizes(world) if world is not None else None
     return Preflight(plan, checkpointed, notes, mesh)

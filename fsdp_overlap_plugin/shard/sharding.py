@@ -25,6 +25,7 @@ import hashlib
 import math
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from .._torch_compat import compiler_disable, fx_annotate, mesh_cached_hash, set_mesh_cached_hash
-from ..config.schema import OverlapConfig, OverlapConfigError
+from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from ..contract import PARAM_KEY
 
 # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]; None on an older
@@ -51,6 +52,7 @@ __all__ = [
     "model_gather",
     "plugin_call",
     "shard_parameters",
+    "ShardSettings",
     "SHARD_DIM_NAME",
     "REPLICATE_DIM_NAME",
 ]
@@ -123,16 +125,27 @@ def _refuse_foreign_compile() -> None:
 _compiled_elsewhere = compiler_disable(_refuse_foreign_compile, reason=_COMPILED_ELSEWHERE)
 
 
-def build_mesh(config: OverlapConfig, device_type: str) -> DeviceMesh:
+@dataclass(frozen=True)
+class ShardSettings:
+    """What sharding reads of the config, resolved once by ``parallelize``: shard/ gets
+    plain typed values, not the whole ``OverlapConfig``."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+
+
+def build_mesh(config: OverlapConfig | MeshConfig, device_type: str) -> DeviceMesh:
     """The data-parallel mesh over all ranks of the default group: 1-D ``(shard,)``, or
-    2-D ``(replicate, shard)`` for HSDP."""
+    2-D ``(replicate, shard)`` for HSDP. Takes the config or just its ``MeshConfig``."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fsdp-overlap needs an initialised default process group "
             "(torch.distributed.init_process_group, torchrun, Lightning or Accelerate do this)."
         )
     world = dist.get_world_size()
-    replicate, shard = config.mesh.sizes(world)
+    sizes = config if isinstance(config, MeshConfig) else config.mesh
+    replicate, shard = sizes.sizes(world)
     if replicate == 1:
         mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD_DIM_NAME,))
     else:
@@ -299,7 +312,7 @@ def _placements(mesh: DeviceMesh, param: torch.Tensor) -> tuple:
     return (Replicate(), Shard(0))
 
 
-def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) -> nn.Module:
+def shard_parameters(model: nn.Module, mesh: DeviceMesh, settings: ShardSettings) -> nn.Module:
     """Shard every parameter of ``model`` in place and install the traced gathers.
 
     Each rank keeps only its ``Shard(0)`` chunk (``torch.chunk`` semantics, padded
@@ -309,7 +322,7 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) 
     """
     if is_sharded(model):
         raise RuntimeError("this model is already sharded by fsdp-overlap; call parallelize() once.")
-    gather = _Gather(mesh, config.torch_param_dtype, config.torch_reduce_dtype)
+    gather = _Gather(mesh, settings.param_dtype, settings.reduce_dtype)
     replaced: dict[int, nn.Parameter] = {}
     for prefix, module in list(model.named_modules()):
         names = tuple(name for name, p in module._parameters.items() if p is not None)
@@ -337,7 +350,11 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, config: OverlapConfig) 
 
 
 def fully_shard_plan(
-    model: nn.Module, mesh: DeviceMesh, plan: list[list[str]], config: OverlapConfig, notes: list[str] | None = None
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: list[list[str]],
+    settings: ShardSettings,
+    notes: list[str] | None = None,
 ) -> nn.Module:
     """The eager fallback (``compile: false``): FSDP2 ``fully_shard`` per plan entry, then
     the root. Same parameter layout as the compiled path, no passes.
@@ -348,7 +365,7 @@ def fully_shard_plan(
     merge (the report shows it under "adjusted")."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=config.torch_param_dtype, reduce_dtype=config.torch_reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
     for entries, shared in _groups_sharing_parameters(model, plan):
         modules = [model.get_submodule(fqn) for i in entries for fqn in plan[i]]
         if not any(True for m in modules for _ in m.parameters()):
@@ -361,7 +378,7 @@ def fully_shard_plan(
         fully_shard(
             modules if len(modules) > 1 else modules[0],
             mesh=mesh,
-            reshard_after_forward=config.reshard_after_forward,
+            reshard_after_forward=settings.reshard_after_forward,
             mp_policy=mp,
         )
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -28,7 +28,7 @@ import fsdp_overlap_plugin.compile.backends as fo_compile
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 from fsdp_overlap_plugin.passes.graph import collective_of_wait, is_all_reduce, is_wait
 from fsdp_overlap_plugin.passes.pin import is_anchor
-from fsdp_overlap_plugin.report.schedule import _replica_all_reduce_overlap, _replica_all_reduces_behind
+from fsdp_overlap_plugin.report.schedule_text import _replica_all_reduce_overlap, _replica_all_reduces_behind
 
 pytestmark = pytest.mark.torch_sensitive  # traces and compiles: also on every torch of the CI matrix
 

@@ -15,7 +15,7 @@ from _fake import fake_world
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.config.parse import format_bytes
 from fsdp_overlap_plugin.report.costmodel import rates_for
-from fsdp_overlap_plugin.report.schedule import _plan_words, headline
+from fsdp_overlap_plugin.report.schedule_text import _plan_words, headline
 from fsdp_overlap_plugin.runtime.records import SUMMARY_STATS
 
 GLOSSARY = Path(__file__).resolve().parents[2] / "docs" / "report.md"
