@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
@@ -47,3 +49,15 @@ def pytest_sessionfinish(session) -> None:
     path = Path(folder) / f"torch-{release}-{os.getpid()}.tsv"
     rows = sorted(_durations.items(), key=lambda item: -item[1])
     path.write_text("".join(f"{seconds:.1f}\t{nodeid}\n" for nodeid, seconds in rows))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test under an ``integration/`` folder starts processes: it must be marked ``slow``
+    (``make test-quick`` and the quick loop leave those out; tests/repo/test_layout.py holds
+    the other direction, a module marked slow as a whole lives in ``integration/``)."""
+    unmarked = [
+        item.nodeid for item in items if "integration" in item.path.parts and not item.get_closest_marker("slow")
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests under integration/ must be marked slow: {unmarked[:5]}")

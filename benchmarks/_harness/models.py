@@ -1,7 +1,7 @@
 """The benchmarks' model zoo: the repo GPT and a transformers Llama by size, their losses
 and block plans, and the fixed batches every rank and mode trains on; and the one place the
 scripts build a model or a model config (``build_gpt``, ``gpt_preset``, ``llama_config``,
-``llama3_8b_config``, ``build_llama``: tests/test_harness_layout.py holds that)."""
+``llama3_8b_config``, ``build_llama``: tests/bench/test_harness_layout.py holds that)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the probes need of a runner, as a type: ``memory`` and ``trace`` measure a step of
 ``runners.ModelRunner``, which imports them; they name this protocol instead, so no module
-of ``_harness`` imports one that imports it back (tests/test_harness_layout.py holds that)."""
+of ``_harness`` imports one that imports it back (tests/bench/test_harness_layout.py holds that)."""
 
 from __future__ import annotations
 

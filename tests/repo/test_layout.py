@@ -301,3 +301,43 @@ def test_the_layout_drawing_matches_the_tree():
     )
     subpackages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == subpackages
+
+
+# ----------------------------------------------------------------------------- the tests' tree
+TESTS = PACKAGE.parent / "tests"
+#: Test folders that mirror no package folder: the core interface and orchestrator
+#: (``core.py``, ``parallelize.py``), the benchmarks, and repository-wide checks.
+TEST_FOLDERS_OF_THEIR_OWN = {"core", "bench", "repo"}
+
+
+def _test_modules() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("test_*.py") if "fixtures" not in p.relative_to(TESTS).parts)
+
+
+def test_tests_mirror_the_package():
+    """tests/<folder>/ is a package folder (or one of its own), tests/<folder>/integration/
+    holds that folder's multi-process modules, and no test module sits at tests/ itself."""
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    wrong = []
+    for path in _test_modules():
+        parts = path.relative_to(TESTS).parts
+        folder = parts[0] if len(parts) > 1 else None
+        inner = parts[1:-1]
+        if folder not in packages | TEST_FOLDERS_OF_THEIR_OWN or inner not in ((), ("integration",)):
+            wrong.append(path.relative_to(TESTS).as_posix())
+    assert not wrong, f"put each test module in tests/<package folder>/ or its integration/: {wrong}"
+
+
+def _marked_slow_as_a_whole(tree: ast.Module) -> bool:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return "mark.slow" in ast.unparse(node.value)
+    return False
+
+
+@pytest.mark.parametrize("path", _test_modules(), ids=lambda p: p.relative_to(TESTS).as_posix())
+def test_multi_process_modules_live_in_integration(path):
+    """A module marked slow as a whole (``pytestmark``) starts processes in every test: it
+    belongs in its folder's integration/ (tests/conftest.py holds the other direction)."""
+    in_integration = "integration" in path.relative_to(TESTS).parts
+    assert _marked_slow_as_a_whole(ast.parse(path.read_text())) <= in_integration, "move it to integration/"
