@@ -16,7 +16,7 @@ dominates, a first compile costs ~10 s of process start and imports plus 20-30 s
 Dynamo, AOT autograd and Triton for these 4-8 layer graphs; gpt_1b's 24 layers took 49-58 s):
 
     matmul     ~12 s  GPU name, versions, and the measured bf16 matmul rate (MFU's denominator)
-    tests      ~80 s  pytest -m cuda tests/test_*_cuda.py (the unit tests with a CUDA variant;
+    tests      ~80 s  pytest -m cuda tests/**/test_*_cuda.py (the unit tests with a CUDA variant;
                       six tests, three inductor compiles of a small GPT)
     hf-1rank   ~70 s  transformers LlamaForCausalLM from a LlamaConfig (8 layers, hidden 2048,
                       0.51B parameters, sdpa), batch 4 x 2048, one NCCL rank, bf16 params / fp32
@@ -990,7 +990,7 @@ FORWARDED += ("_size",)
 def child_command(args: argparse.Namespace, phase: str, result: str | Path) -> list[str]:
     """The exact command the parent runs for a phase."""
     if phase == "tests":
-        files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*_cuda.py"))
+        files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*_cuda.py"))
         pytest = ["-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider"]
         return [sys.executable, *pytest, "--junitxml", str(result), *files]
     argv = [sys.executable, str(Path(__file__).resolve()), "--_phase", phase, "--_result", str(result)]

@@ -4,7 +4,7 @@ reason, a 1-rank NCCL process group, and the GPU check script as a module.
     from _cuda import requires_cuda, nccl_world_of_one
     pytestmark = requires_cuda          # every test of the module: marked `cuda`, skipped without CUDA
 
-`benchmarks/gpu_check.py` runs `pytest -m cuda tests/test_*_cuda.py` on a GPU machine.
+`benchmarks/gpu_check.py` runs `pytest -m cuda tests/**/test_*_cuda.py` on a GPU machine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CUDA variants of the core and pass tests: one NCCL rank, inductor's GPU (Triton) code.
 
 Skipped without CUDA, with the reason. `python benchmarks/gpu_check.py` runs them on a GPU
-machine (`pytest -m cuda tests/test_*_cuda.py`). A world of one NCCL rank has no
+machine (`pytest -m cuda tests/**/test_*_cuda.py`). A world of one NCCL rank has no
 collectives in its graphs (DTensor skips the gather on a 1-rank mesh), so the 1-rank tests
 check the compile path only; what the passes do on the GPU path is checked on two ranks
 of a fake process group on the GPU: the FX graphs (aot_eager) and inductor's generated code.
