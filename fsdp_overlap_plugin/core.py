@@ -33,6 +33,7 @@ _WHERE = {
     "devices": ".runtime.devices",  # the module
     "build_mesh": ".shard.sharding",
     "preflight": ".shard.preflight",
+    "Preflight": ".shard.preflight",  # what preflight found, handed on to parallelize(checked=...)
     # prepare a model
     "install_excepthook": ".report.messages",
     "materialize": ".shard.initialize",
@@ -64,7 +65,7 @@ _MODULES = {"devices"}
 __all__ = sorted(_WHERE)
 
 if TYPE_CHECKING:  # the same names, for type checkers and readers (the layer test sees these)
-    pass
+    from .shard.preflight import Preflight  # noqa: F401  (the names of _WHERE, spelt out)
 
 
 def __getattr__(name: str) -> object:

@@ -28,7 +28,7 @@ def npu_registration() -> dict:
 
     import fsdp_overlap_plugin  # noqa: F401  (registers "npu" now that torch_npu imports)
     from fsdp_overlap_plugin.lightning import NPUAccelerator, NPUFabricAccelerator, standalone
-    from fsdp_overlap_plugin.lightning.trainer import _warn_if_npu_unused
+    from fsdp_overlap_plugin.lightning._common import warn_if_npu_unused
 
     out: dict = {
         "registered": (
@@ -40,7 +40,7 @@ def npu_registration() -> dict:
     rank_zero_only.rank = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _warn_if_npu_unused(torch.device("cpu"))
+        warn_if_npu_unused(torch.device("cpu"))
     out["cpu_warning"] = [str(w.message) for w in caught]
 
     os.environ.update(LOCAL_RANK="1", RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")

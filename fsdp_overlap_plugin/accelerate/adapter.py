@@ -135,11 +135,12 @@ def configure(
     """The pure first half of ``prepare``: this worker's configuration (``load_config``)
     checked against ``model`` (plan, checkpointed modules) with the key spelled as the
     user's file spells it. Every rank raises the same error here, before any collective
-    (uncaught, it is printed once and short: ``messages.install_excepthook``)."""
+    (uncaught, it is printed once and short: ``messages.install_excepthook``). What the
+    checks found is ``resolved.checked``, for ``parallelize(..., checked=...)``."""
     install_excepthook()  # outermost, over the hook init_process_group installed in Accelerator()
     resolved = load_config(accelerator, config, model=model, environ=environ, **overrides)
     try:
-        preflight(model, resolved.config)
+        resolved.checked = preflight(model, resolved.config)
     except OverlapConfigError as exc:
         raise resolved.rename(exc) from None
     return resolved
@@ -202,7 +203,8 @@ def prepare(
     if resolved.settings.sync_module_states and not on_meta and dist.get_world_size() > 1:
         _broadcast_from_rank0(model, device)
     try:
-        parallelize(model, cfg, mesh=build_mesh(cfg, device.type))
+        # the model configure() checked (taken over from torch.compile above): not checked again
+        parallelize(model, cfg, mesh=build_mesh(cfg, device.type), checked=resolved.checked)
     except OverlapConfigError as exc:
         raise resolved.rename(exc) from None
     if on_meta:

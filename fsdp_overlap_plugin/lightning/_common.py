@@ -1,6 +1,7 @@
 """What the Lightning adapters share, without a Lightning base class: the precision mapping,
-the config a strategy is built from, which module is parallelized (and parallelizing it
-once), the members both strategies have, and the schedule report as metrics.
+the config a strategy is built from (completed once, when Lightning configures the
+launcher), which module is parallelized (and parallelizing it once), the members and hooks
+both strategies have, the device helpers, and the schedule report as metrics.
 
 Both the Trainer strategy and the Fabric strategy exist twice (for the ``lightning``
 package and for the standalone ``pytorch_lightning`` / ``lightning_fabric`` packages,
@@ -20,9 +21,18 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from typing_extensions import override
 
+from .._lightning_compat import (
+    base_configure_launcher,
+    base_setup_distributed,
+    private_hook,
+    process_group_backend,
+    process_group_timeout,
+)
 from ..config.keys import suggest, unknown_key_message
-from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
+from ..config.schema import OverlapConfig, OverlapConfigError
 from ..core import (
     check_complete,
     devices,
@@ -36,18 +46,21 @@ from ..core import (
     take_over_compiled,
     written_atomically,
 )
+from ._mesh import SHARDING_STRATEGIES, check_mesh_arguments, mesh_from_arguments, resolve_mesh
 
 __all__ = [
     "CONFIG_FIELDS",
     "PRECISION_DTYPES",
     "StrategyBase",
     "SHARDING_STRATEGIES",
+    "align_autocast_device",
     "build_config",
     "check_mesh_arguments",
     "checked_arguments",
     "config_for_precision",
     "distributed_checkpoint",
     "log_once",
+    "mesh_from_arguments",
     "no_gathers",
     "on_meta",
     "parallelize_once",
@@ -56,6 +69,7 @@ __all__ = [
     "report_metrics",
     "resolve_mesh",
     "select_target",
+    "warn_if_npu_unused",
 ]
 
 # The OverlapConfig keys. The strategies spell each out as a keyword argument (LightningCLI
@@ -133,111 +147,18 @@ def build_config(config: OverlapConfig | dict | str | None, overrides: dict[str,
     keyword never gets here: ``checked_arguments`` refuses it.
     """
     install_excepthook()
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        base = OverlapConfig.coerce(config)
+        return OverlapConfig.coerce(config, **given)  # once: the file/dict and the keywords together
     except OverlapConfigError as exc:
-        raise OverlapConfigError(f"config: {exc}") from None  # the strategy's `config` argument
-    return OverlapConfig.coerce(base, **{k: v for k, v in overrides.items() if v is not None})
-
-
-# Lightning FSDPStrategy's ``sharding_strategy`` values the strategies accept. The others
-# are FSDP1 modes that this FSDP2-style layout has no switch for; each has a pointer.
-SHARDING_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD")
-_OTHER_STRATEGIES = {
-    "SHARD_GRAD_OP": "reshard_after_forward=False keeps the gathered parameters from forward to backward",
-    "_HYBRID_SHARD_ZERO2": "sharding_strategy='HYBRID_SHARD' with reshard_after_forward=False is the same",
-    "HYBRID_SHARD_ZERO2": "sharding_strategy='HYBRID_SHARD' with reshard_after_forward=False is the same",
-    "NO_SHARD": "mesh={'replicate': <world size>, 'shard': 1} replicates every parameter (DDP)",
-}
-
-
-def _strategy_name(value: Any) -> str:
-    return str(getattr(value, "name", value)).strip().upper()
-
-
-def _mesh_tuple(device_mesh: Any) -> tuple[int, int] | None:
-    if device_mesh is None:
-        return None
-    ok = (
-        isinstance(device_mesh, (tuple, list))
-        and len(device_mesh) == 2
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh)
-    )
-    if not ok:
-        raise OverlapConfigError(
-            f"device_mesh: expected a tuple (replicate, shard) of two integers >= 1, got {device_mesh!r} "
-            "(a DeviceMesh object is not taken: the strategy builds its own mesh from the sizes)."
-        )
-    return int(device_mesh[0]), int(device_mesh[1])
-
-
-def _mesh_given(config: OverlapConfig) -> bool:
-    return (config.mesh.replicate, config.mesh.shard) != (MeshConfig().replicate, MeshConfig().shard)
-
-
-def check_mesh_arguments(config: OverlapConfig, sharding_strategy: Any, device_mesh: Any) -> None:
-    """The pure checks of the mesh spellings, at construction (no node count yet):
-    ``sharding_strategy`` is a known value, ``device_mesh`` a pair of sizes, and the
-    spellings that can be compared without the node count agree."""
-    if sharding_strategy is not None:
-        name = _strategy_name(sharding_strategy)
-        if name in _OTHER_STRATEGIES:
-            raise OverlapConfigError(
-                f"sharding_strategy={sharding_strategy!r} is not supported by the fsdp_overlap strategy; valid: "
-                f"{', '.join(SHARDING_STRATEGIES)}. {_OTHER_STRATEGIES[name]}."
-            )
-        if name not in SHARDING_STRATEGIES:
-            raise OverlapConfigError(
-                f"sharding_strategy={sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}."
-                f"{suggest(name, SHARDING_STRATEGIES)}"
-            )
-    sizes = _mesh_tuple(device_mesh)
-    if sizes is not None:
-        if sharding_strategy is not None and _strategy_name(sharding_strategy) == "FULL_SHARD" and sizes[0] > 1:
-            raise OverlapConfigError(
-                f"device_mesh={sizes} replicates over {sizes[0]} groups but sharding_strategy='FULL_SHARD' shards "
-                "over every rank; use sharding_strategy='HYBRID_SHARD' (or leave it out) with a device_mesh."
-            )
-        if _mesh_given(config) and (config.mesh.replicate, config.mesh.shard) not in (sizes, (sizes[0], -1)):
-            raise OverlapConfigError(
-                f"device_mesh={sizes} contradicts mesh={{'replicate': {config.mesh.replicate}, 'shard': "
-                f"{config.mesh.shard}}}: they say the same thing, pass one of them."
-            )
-    elif sharding_strategy is not None and _strategy_name(sharding_strategy) == "FULL_SHARD":
-        if config.mesh.replicate > 1:
-            raise OverlapConfigError(
-                f"sharding_strategy='FULL_SHARD' shards over every rank but mesh.replicate is "
-                f"{config.mesh.replicate}; use sharding_strategy='HYBRID_SHARD', or leave one of them out."
-            )
-
-
-def resolve_mesh(
-    config: OverlapConfig, sharding_strategy: Any, device_mesh: Any, num_nodes: int, devices_per_node: int
-) -> OverlapConfig:
-    """The config with its ``mesh`` set from Lightning's spellings, once the node count is
-    known (pure: every rank raises the same error before any collective).
-
-    ``device_mesh=(R, S)`` (Lightning FSDPStrategy's HSDP tuple) -> ``mesh: {replicate: R,
-    shard: S}``; ``sharding_strategy="HYBRID_SHARD"`` without it -> replicate over the
-    nodes, shard within each: ``{replicate: num_nodes, shard: devices_per_node}``;
-    ``"FULL_SHARD"`` -> one shard group (``replicate: 1``). ``mesh=`` given as well must
-    say the same, else the error names both."""
-    check_mesh_arguments(config, sharding_strategy, device_mesh)
-    sizes = _mesh_tuple(device_mesh)
-    name = _strategy_name(sharding_strategy) if sharding_strategy is not None else None
-    if sizes is None and name == "HYBRID_SHARD":
-        sizes = (num_nodes, devices_per_node)
-        ours = config.mesh
-        if _mesh_given(config) and (ours.replicate, ours.shard) not in (sizes, (sizes[0], -1)):
-            raise OverlapConfigError(
-                f"sharding_strategy='HYBRID_SHARD' replicates over the {num_nodes} node(s) and shards over the "
-                f"{devices_per_node} device(s) of each (num_nodes={num_nodes}, devices={devices_per_node}), but "
-                f"mesh={{'replicate': {ours.replicate}, 'shard': {ours.shard}}}; pass one of them, or "
-                f"device_mesh=(replicate, shard) for another layout."
-            )
-    if sizes is None:
-        return config
-    return config.replace(mesh=MeshConfig(replicate=sizes[0], shard=sizes[1]))
+        error = exc
+    # Which part is wrong: coerce reads ``config`` first, so when ``config`` alone fails,
+    # that is the error raised, named as the strategy's ``config`` argument.
+    try:
+        OverlapConfig.coerce(config)
+    except OverlapConfigError as base_error:
+        raise OverlapConfigError(f"config: {base_error}") from None
+    raise error
 
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -368,8 +289,9 @@ def parallelize_once(
 
 class StrategyBase:
     """The members the Trainer and Fabric strategy mixins have in common. A subclass sets
-    ``_user_config`` / ``_config`` and ``_lightning_package``; the Lightning base class
-    provides ``root_device``, ``world_size``, ``global_rank`` and ``_process_group_backend``."""
+    ``_user_config`` / ``_config`` and ``_lightning_package`` and says its precision flag
+    (``_precision_flag``); the Lightning base class provides ``root_device``,
+    ``world_size``, ``global_rank`` and the process-group arguments (``_lightning_compat``)."""
 
     _lightning_package: str
     _user_config: OverlapConfig
@@ -377,6 +299,11 @@ class StrategyBase:
 
     _sharding_strategy: Any = None
     _mesh_sizes: Any = None
+    #: The config completed when Lightning configured the launcher (``_configure_launcher``).
+    _completed: OverlapConfig | None = None
+
+    def _precision_flag(self) -> str:
+        raise NotImplementedError  # the Trainer's precision plugin, or Fabric's
 
     def _init_mesh_arguments(self, sharding_strategy: Any, device_mesh: Any) -> None:
         """Keep Lightning's mesh spellings (checked now; resolved once the node count is
@@ -391,11 +318,31 @@ class StrategyBase:
 
     def _config_with_mesh(self) -> OverlapConfig:
         """The user's config with ``mesh`` set from ``sharding_strategy`` / ``device_mesh``
-        and Lightning's ``num_nodes`` / ``devices`` (``resolve_mesh``)."""
+        and Lightning's ``num_nodes`` / ``devices`` (``resolve_mesh``, whose argument checks
+        ran at construction)."""
         devices = len(getattr(self, "parallel_devices", None) or []) or 1
-        return resolve_mesh(
+        return mesh_from_arguments(
             self._user_config, self._sharding_strategy, self._mesh_sizes, int(getattr(self, "num_nodes", 1)), devices
         )
+
+    def _complete_config(self) -> OverlapConfig:
+        """The user's config completed from Lightning's arguments: the mesh, then the dtypes
+        from the precision flag (``config_for_precision``). Pure: every rank raises the same error."""
+        return config_for_precision(self._config_with_mesh(), self._precision_flag())
+
+    @private_hook
+    def _configure_launcher(self) -> None:
+        # The last hook Lightning calls while building the Trainer / Fabric, with the precision
+        # plugin, devices and node count attached: the config is completed here, once, so a
+        # precision conflict fails at Trainer(...), before any process is launched.
+        self._completed = self._complete_config()
+        base_configure_launcher(StrategyBase, self)
+
+    def _config_for_setup(self) -> OverlapConfig:
+        """Put the completed config in force (``setup_environment``): the one completed at
+        ``_configure_launcher``, or completed now for a strategy Lightning did not configure."""
+        self._config = self._completed if self._completed is not None else self._complete_config()
+        return self._config
 
     @property
     def overlap_config(self) -> OverlapConfig:
@@ -407,9 +354,11 @@ class StrategyBase:
         # A child of Lightning's logger, so messages reach the console like Lightning's own.
         return logging.getLogger(f"{self._lightning_package}.strategies.fsdp_overlap")
 
+    @private_hook
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or devices.backend_for(self.root_device.type)  # type: ignore[attr-defined]
+        return process_group_backend(self) or devices.backend_for(self.root_device.type)  # type: ignore[attr-defined]
 
+    @private_hook
     def _setup_distributed(self) -> None:
         """Lightning's (seed, ranks, process group), except that a job torchrun restarted
         gets its process group on a store namespace of its own (``devices.init_process_group``):
@@ -420,15 +369,33 @@ class StrategyBase:
             device = self.root_device  # type: ignore[attr-defined]
             devices.init_process_group(
                 self._get_process_group_backend(),
-                timeout=self._timeout,  # type: ignore[attr-defined]
+                timeout=process_group_timeout(self),
                 device_id=device if device.type != "cpu" else None,
             )
-        super()._setup_distributed()  # type: ignore[misc]
+        base_setup_distributed(StrategyBase, self)
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel rank (also on an HSDP mesh): each reads its own data.
         return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
+
+
+def align_autocast_device(plugin: Any, device: torch.device) -> None:
+    """Point a Lightning/Fabric mixed-precision plugin at ``device``'s type if Lightning
+    chose "cuda" for an accelerator it does not know (an NPU)."""
+    if device.type not in ("cpu", "cuda") and getattr(plugin, "device", None) == "cuda":
+        plugin.device = device.type
+
+
+def warn_if_npu_unused(device: torch.device) -> None:
+    """Lightning's ``accelerator="auto"`` does not know NPUs; say so instead of training
+    on the CPU of an NPU machine without a word."""
+    if device.type == "cpu" and devices.npu_module() is not None and devices.detect_device_type() == "npu":
+        rank_zero_warn(
+            "fsdp_overlap: an Ascend NPU is available but this run uses the CPU. Lightning's "
+            "accelerator='auto' does not detect NPUs: pass accelerator='npu'."
+        )
 
 
 def report_metrics(report: dict[str, Any]) -> dict[str, float]:

@@ -31,7 +31,9 @@ import torch.nn as nn
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from .._lightning_compat import set_backward_sync_control, set_strategy_device_mesh
 from ..config.schema import OverlapConfig, OverlapConfigError
 from ..core import (
     build_mesh,
@@ -44,10 +46,10 @@ from ..core import (
 from ._common import (
     CONFIG_FIELDS,
     StrategyBase,
+    align_autocast_device,
     build_config,
     check_loadable,
     checked_arguments,
-    config_for_precision,
     distributed_checkpoint,
     log_once,
     no_gathers,
@@ -55,8 +57,8 @@ from ._common import (
     precision_of,
     report_metrics,
     saved_atomically,
+    warn_if_npu_unused,
 )
-from .trainer import _warn_if_npu_unused, align_autocast_device
 
 __all__ = ["FSDPOverlapFabricStrategy", "FabricStrategyMixin"]
 
@@ -145,23 +147,21 @@ class FabricStrategyMixin(StrategyBase):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._backward_sync_control = _ReplicaSyncControl(self._log)
+        set_backward_sync_control(self, _ReplicaSyncControl(self._log))
 
-    def _configure_launcher(self) -> None:
-        # Called last while Fabric(...) is built, with the precision plugin attached: a
-        # precision conflict fails there, before any process is launched.
-        config_for_precision(self._config_with_mesh(), precision_of(self.precision))
-        super()._configure_launcher()  # type: ignore[misc]
+    def _precision_flag(self) -> str:
+        return precision_of(self.precision)
 
+    @override
     def setup_environment(self) -> None:
-        self._config = config_for_precision(self._config_with_mesh(), precision_of(self.precision))
+        config = self._config_for_setup()  # completed (and checked) when Fabric(...) was built
         align_autocast_device(self.precision, self.root_device)
         # Not ModelParallelStrategy.setup_environment: its (data, tensor) mesh is not ours.
         self.accelerator.setup_device(self.root_device)
         self._setup_distributed()  # seed, ranks, process group
         install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
-        self._device_mesh = build_mesh(self._config, self.root_device.type)
-        _warn_if_npu_unused(self.root_device)
+        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type))
+        warn_if_npu_unused(self.root_device)
 
     # ------------------------------------------------------------------ module
     def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:
@@ -169,6 +169,7 @@ class FabricStrategyMixin(StrategyBase):
         self._parallelized = parallelize_once(module, lambda: module, self.overlap_config, mesh, self.root_device)
         return module
 
+    @override
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
@@ -195,6 +196,7 @@ class FabricStrategyMixin(StrategyBase):
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     # ---------------------------------------------------------------- training
+    @override
     def backward(self, tensor: Any, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
         if self.schedule_report is None and self._parallelized is not None:
@@ -204,6 +206,7 @@ class FabricStrategyMixin(StrategyBase):
                 self._log.info(format_report(self.schedule_report))
 
     # ------------------------------------------------------------- checkpoints
+    @override
     def save_checkpoint(self, path: Any, state: dict, storage_options: Any = None, filter: Any = None) -> None:
         """Fabric's save, written beside ``path`` and renamed into place once every rank
         has written: a kill mid-save leaves the previous checkpoint of that name, complete."""
@@ -211,6 +214,7 @@ class FabricStrategyMixin(StrategyBase):
         with saved_atomically(path, state.get("step")) as partial, no_gathers():
             super().save_checkpoint(partial, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
+    @override
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
+from typing_extensions import override
 
 from ..core import devices
 
@@ -54,38 +55,46 @@ def parse_npu_devices(devices: int | str | list[int] | None) -> list[int] | None
 class NPUAcceleratorMixin:
     """Device set-up, device count and availability for Ascend NPUs."""
 
+    @override
     def setup_device(self, device: torch.device) -> None:
         if device.type != "npu":
             raise ValueError(f"Device should be an NPU, got {device} instead.")
         devices.set_device(device)
 
+    @override
     def teardown(self) -> None:
         empty_cache = getattr(_npu(), "empty_cache", None)
         if callable(empty_cache):
             empty_cache()
 
     @staticmethod
+    @override
     def parse_devices(devices: int | str | list[int]) -> list[int] | None:
         return parse_npu_devices(devices)
 
     @staticmethod
+    @override
     def get_parallel_devices(devices: list[int]) -> list[torch.device]:
         return [torch.device("npu", i) for i in devices]
 
     @staticmethod
+    @override
     def auto_device_count() -> int:
         module = _npu()
         return int(module.device_count()) if module is not None and devices.npu_module() is not None else 0
 
     @staticmethod
+    @override
     def is_available() -> bool:
         return devices.npu_module() is not None and NPUAcceleratorMixin.auto_device_count() > 0
 
     @staticmethod
+    @override
     def name() -> str:
         return "npu"
 
     @classmethod
+    @override
     def register_accelerators(cls, accelerator_registry: Any) -> None:
         accelerator_registry.register("npu", cls, description=cls.__name__, override=True)
 
@@ -93,6 +102,7 @@ class NPUAcceleratorMixin:
 class NPUAccelerator(NPUAcceleratorMixin, TrainerAccelerator):
     """``Trainer(accelerator="npu")``."""
 
+    @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         stats = getattr(_npu(), "memory_stats", None)
         return dict(stats(device)) if callable(stats) else {}

@@ -13,6 +13,7 @@ from lightning_fabric.accelerators import Accelerator as _FabricAccelerator
 from lightning_fabric.strategies import ModelParallelStrategy as _FabricModelParallel
 from pytorch_lightning.accelerators import Accelerator as _TrainerAccelerator
 from pytorch_lightning.strategies import ModelParallelStrategy as _TrainerModelParallel
+from typing_extensions import override
 
 from .fabric import FabricStrategyMixin
 from .npu import NPUAcceleratorMixin, _npu
@@ -34,6 +35,7 @@ class FSDPOverlapFabricStrategy(FabricStrategyMixin, _FabricModelParallel):
 class NPUAccelerator(NPUAcceleratorMixin, _TrainerAccelerator):
     """``pytorch_lightning.Trainer(accelerator="npu")``."""
 
+    @override
     def get_device_stats(self, device):
         stats = getattr(_npu(), "memory_stats", None)
         return dict(stats(device)) if callable(stats) else {}

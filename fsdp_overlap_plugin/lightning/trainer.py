@@ -31,17 +31,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.nn as nn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
 
-from .._lightning_compat import set_module_device_mesh
+from .._lightning_compat import current_hook_name, set_module_device_mesh, set_strategy_device_mesh
 from ..config.schema import OverlapConfig
 from ..core import (
     build_mesh,
-    devices,
     format_report,
     get_state,
     install_excepthook,
@@ -51,10 +50,10 @@ from ..core import (
 from ._common import (
     CONFIG_FIELDS,
     StrategyBase,
+    align_autocast_device,
     build_config,
     check_loadable,
     checked_arguments,
-    config_for_precision,
     distributed_checkpoint,
     log_once,
     no_gathers,
@@ -64,6 +63,7 @@ from ._common import (
     report_metrics,
     saved_atomically,
     select_target,
+    warn_if_npu_unused,
 )
 
 __all__ = ["FSDPOverlapStrategy", "TrainerStrategyMixin"]
@@ -171,23 +171,21 @@ class TrainerStrategyMixin(StrategyBase):
         )
 
     # ------------------------------------------------------------- environment
-    def _configure_launcher(self) -> None:
-        # The last hook Lightning calls while building the Trainer, after the precision
-        # plugin is attached: a precision conflict fails at Trainer(...), before any
-        # process is launched.
-        config_for_precision(self._config_with_mesh(), precision_of(self.precision_plugin))
-        super()._configure_launcher()  # type: ignore[misc]
+    def _precision_flag(self) -> str:
+        return precision_of(self.precision_plugin)
 
+    @override
     def setup_environment(self) -> None:
-        # Pure checks first: a precision conflict fails on every rank before any collective.
-        self._config = config_for_precision(self._config_with_mesh(), precision_of(self.precision_plugin))
+        # The config completed (and checked) when the Trainer was built: every rank has it
+        # before any collective.
+        config = self._config_for_setup()
         self._align_precision_device()
         self._setup_distributed()  # device, seed, ranks, process group
         install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
-        self._device_mesh = build_mesh(self._config, self.root_device.type)
+        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type))
         # configure_model() may read it, as with ModelParallelStrategy.
-        set_module_device_mesh(self.lightning_module, self._device_mesh)
-        _warn_if_npu_unused(self.root_device)
+        set_module_device_mesh(self.lightning_module, self.device_mesh)
+        warn_if_npu_unused(self.root_device)
 
     def _align_precision_device(self) -> None:
         """Lightning builds its autocast plugin for "cuda" unless the accelerator is cpu
@@ -195,6 +193,7 @@ class TrainerStrategyMixin(StrategyBase):
         align_autocast_device(self.precision_plugin, self.root_device)
 
     # -------------------------------------------------------------------- setup
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -232,6 +231,7 @@ class TrainerStrategyMixin(StrategyBase):
         self.setup_precision_plugin()
 
     # ---------------------------------------------------------------- training
+    @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning's loop runs the micro-batches that accumulate inside this: on HSDP
@@ -240,6 +240,7 @@ class TrainerStrategyMixin(StrategyBase):
         with replica_all_reduce_skipped(self._parallelized):
             yield None
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self.schedule_report is None and self._parallelized is not None:
@@ -260,18 +261,21 @@ class TrainerStrategyMixin(StrategyBase):
         if self.global_rank == 0:
             self._log.info(format_report(report))
         module = self.lightning_module
-        if module is not None and getattr(module, "_current_fx_name", None) is not None:
+        if module is not None and current_hook_name(module) is not None:  # self.log works only in a hook
             module.log_dict(report_metrics(report), on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------- checkpoints
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         with no_gathers():
             return super().lightning_module_state_dict()  # type: ignore[misc]
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         with no_gathers():
             return super().optimizer_state(optimizer)  # type: ignore[misc]
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Lightning's save (a DCP folder and ``meta.pt``, or one full file), written beside
         ``filepath`` and renamed into place once every rank has written: a kill mid-save
@@ -280,6 +284,7 @@ class TrainerStrategyMixin(StrategyBase):
         with saved_atomically(path, checkpoint.get("global_step")) as partial:
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)  # type: ignore[misc]
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """``ModelCheckpoint`` dropping an old top-k checkpoint: renamed out of sight, then
         deleted, so a kill never leaves half of it under its name."""
@@ -288,6 +293,7 @@ class TrainerStrategyMixin(StrategyBase):
         if not remove_local_checkpoint(filepath):
             super().remove_checkpoint(filepath)  # type: ignore[misc]
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
@@ -298,23 +304,6 @@ class TrainerStrategyMixin(StrategyBase):
 def _fn(trainer: Any) -> str | None:
     fn = trainer.state.fn
     return None if fn is None else str(getattr(fn, "value", fn))
-
-
-def align_autocast_device(plugin: Any, device: torch.device) -> None:
-    """Point a Lightning/Fabric mixed-precision plugin at ``device``'s type if Lightning
-    chose "cuda" for an accelerator it does not know (an NPU)."""
-    if device.type not in ("cpu", "cuda") and getattr(plugin, "device", None) == "cuda":
-        plugin.device = device.type
-
-
-def _warn_if_npu_unused(device: torch.device) -> None:
-    """Lightning's ``accelerator="auto"`` does not know NPUs; say so instead of training
-    on the CPU of an NPU machine without a word."""
-    if device.type == "cpu" and devices.npu_module() is not None and devices.detect_device_type() == "npu":
-        rank_zero_warn(
-            "fsdp_overlap: an Ascend NPU is available but this run uses the CPU. Lightning's "
-            "accelerator='auto' does not detect NPUs: pass accelerator='npu'."
-        )
 
 
 class FSDPOverlapStrategy(TrainerStrategyMixin, ModelParallelStrategy):
