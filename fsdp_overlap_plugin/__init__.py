@@ -34,7 +34,7 @@ _PUBLIC = {
     "PlanWarning": ".config.plan",
     "UninitializedWarning": ".shard.initialize",
     "auto_plan": ".config.plan",
-    "format_report": ".report.schedule",
+    "format_report": ".report.schedule_text",
     "full_state_dict": ".shard.export",
     "gather_disabled": ".shard.sharding",
     "init_process_group": ".runtime.devices",

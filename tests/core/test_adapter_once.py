@@ -16,7 +16,7 @@ from _dist import run_ranks
 from fsdp_overlap_plugin import OverlapConfigError
 from fsdp_overlap_plugin.config import fsdp1
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_overlap_plugin"
+PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_overlap_plugin"
 
 #: The functions counted, by where they are defined; every module of the package that
 #: holds the same function object under that name is patched (the adapters bind them by import).
