@@ -23,7 +23,7 @@ import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.config.schema import OverlapConfig, OverlapConfigError
 from fsdp_overlap_plugin.models import gpt_small, loss_fn
 
-pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+pytestmark = pytest.mark.torch_sensitive  # CI runs its quick tests on both ends of its torch matrix (2.11, 2.15)
 
 # 12 distinct lengths (none 0 or 1, which Dynamo always specialises), one repeated
 LENGTHS = (32, 48, 40, 64, 33, 17, 56, 24, 45, 29, 61, 37, 48)

@@ -19,7 +19,7 @@ from fsdp_overlap_plugin.passes import manual_bucketing
 from fsdp_overlap_plugin.passes.prefetch import kept_buckets, prefetch_plan
 from fsdp_overlap_plugin.testing import fsdp_backward_graph, fsdp_forward_graph, random_inputs
 
-pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+pytestmark = pytest.mark.torch_sensitive  # CI runs its quick tests on both ends of its torch matrix (2.11, 2.15)
 
 
 # ------------------------------------------------------------------------- the rule

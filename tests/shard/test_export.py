@@ -31,7 +31,7 @@ import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.config.schema import OverlapConfigError
 from fsdp_overlap_plugin.shard import export
 
-pytestmark = pytest.mark.torch_sensitive  # its quick tests also run on every torch of the CI matrix
+pytestmark = pytest.mark.torch_sensitive  # CI runs its quick tests on both ends of its torch matrix (2.11, 2.15)
 
 T = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]

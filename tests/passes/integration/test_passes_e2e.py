@@ -89,7 +89,7 @@ def _assert_receive_first(report: dict, steps: int) -> None:
     assert rs["exchanges"] == 6 * steps
 
 
-@pytest.mark.matrix  # CI runs it on both ends of the matrix, 2.11 and 2.15
+@pytest.mark.newest_torch  # CI runs it on 2.15 (on 2.11 it took 204 s of CI; transformers' Trainer trains with inductor there)
 def test_inductor_losses_equal_within_1e6():
     # prefetch_2+budget: under a budget the passes follow FSDP2's memory order (each prefetch
     # after the previous copy-out, each reduce-scatter waited before the next copy-in) and
