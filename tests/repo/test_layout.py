@@ -341,3 +341,14 @@ def test_multi_process_modules_live_in_integration(path):
     belongs in its folder's integration/ (tests/conftest.py holds the other direction)."""
     in_integration = "integration" in path.relative_to(TESTS).parts
     assert _marked_slow_as_a_whole(ast.parse(path.read_text())) <= in_integration, "move it to integration/"
+
+
+#: The most lines a package module may have: past it, split the module by job (as
+#: accelerate/config.py, report/schedule.py and shard/export.py were).
+MAX_LINES = 600
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_rel)
+def test_no_package_file_over_600_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{_rel(path)} has {lines} lines: split it by job (at most {MAX_LINES})"
