@@ -121,11 +121,12 @@ def resolve_plan(model: nn.Module, config: OverlapConfig | dict | None = None) -
     pattern that matches nothing, or two entries that share a module. Warns
     (``PlanWarning``) for a bucket whose modules own no parameters.
     """
-    return plan_buckets(model, OverlapConfig.coerce(config))
+    return plan_buckets(model, OverlapConfig.coerce(config), stacklevel=3)
 
 
-def plan_buckets(model: nn.Module, config: OverlapConfig) -> list[list[str]]:
-    """``resolve_plan`` for a config already checked (no second coerce: ``preflight``)."""
+def plan_buckets(model: nn.Module, config: OverlapConfig, *, stacklevel: int = 2) -> list[list[str]]:
+    """``resolve_plan`` for a config already checked (no second coerce: ``preflight``).
+    ``stacklevel``: the frame a ``PlanWarning`` names (the caller's, through ``resolve_plan``)."""
     if config.bucket_plans == "auto":
         return auto_plan_buckets(model, config).buckets
     names = _module_names(model)
@@ -152,7 +153,7 @@ def plan_buckets(model: nn.Module, config: OverlapConfig) -> list[list[str]]:
             warnings.warn(
                 f"bucket_plans: bucket {bucket} owns no parameters; it will hold no collectives.",
                 PlanWarning,
-                stacklevel=2,
+                stacklevel=stacklevel,
             )
     return buckets
 

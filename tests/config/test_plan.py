@@ -139,6 +139,13 @@ def test_entry_without_parameters_warns():
         plan(m, ["transformer.drop", "transformer.wte"])
 
 
+def test_the_warning_names_the_caller_of_resolve_plan():
+    """The PlanWarning points at the line that called resolve_plan, not inside the package."""
+    with pytest.warns(PlanWarning) as record:
+        resolve_plan(Nested(), {"bucket_plans": [["transformer.drop"], ["transformer.wte"]]})
+    assert record[0].filename == __file__
+
+
 def test_valid_plan_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
