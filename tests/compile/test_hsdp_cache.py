@@ -31,6 +31,7 @@ from _fake import fake_world
 pytestmark = pytest.mark.torch_sensitive  # the quick tests hash meshes as torch does
 
 TESTS = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent  # the driver imports this module by name
 WORLD = 4
 HSDP = {"replicate": 2, "shard": 2}
 MODEL = {"n_layer": 1, "d_model": 16, "n_head": 2, "vocab_size": 64, "block_size": 16}
@@ -81,7 +82,7 @@ _DRIVER = textwrap.dedent(
 def _run_in_new_process(cache: Path, out: Path) -> list[dict]:
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # never this process's salt
     env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(HERE), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(cache), str(out)], env=env, capture_output=True, text=True, timeout=840
     )
