@@ -46,7 +46,7 @@ PRIVATE_HOOKS = {
 def private_hook(method: _F) -> _F:
     """Mark ``method`` as our override of the private Lightning hook of the same name (one of
     ``PRIVATE_HOOKS``): ``typing_extensions.override``, which type checkers and
-    ``tests/test_adapter_once.py`` read. A name not in the table is a ``TypeError`` at import."""
+    ``tests/core/test_adapter_once.py`` read. A name not in the table is a ``TypeError`` at import."""
     if method.__name__ not in PRIVATE_HOOKS:
         raise TypeError(f"{method.__qualname__}: not a private Lightning hook listed in PRIVATE_HOOKS")
     return override(method)
