@@ -103,11 +103,18 @@ def llama_config(
     ``HF_LLAMA_SIZES`` tuple); ``seq`` is ``max_position_embeddings`` (None: transformers'
     default), ``fields`` any other ``LlamaConfig`` field as transformers spells it. Only the
     fields given are set, so each script's Llama is the one it always built."""
-    import transformers
-
     if seq is not None:
         fields["max_position_embeddings"] = seq
-    return transformers.LlamaConfig(
+    return _hf_config("llama", hidden, layers, heads, kv_heads, intermediate, vocab, tied=tied, **fields)
+
+
+def _hf_config(model_type: str, hidden, layers, heads, kv_heads, intermediate, vocab, *, tied: bool, **fields: Any):
+    """The transformers config of ``model_type`` with the zoo's sizes in transformers'
+    names, ``fields`` as given (``AutoConfig.for_model``: ``"llama"`` is a ``LlamaConfig``)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        model_type,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -178,18 +185,18 @@ def build_hf_qwen2(hidden: int, layers: int, heads: int, kv_heads: int, intermed
 
 
 def _build_hf(model_type: str, tied: bool, hidden, layers, heads, kv_heads, intermediate, vocab, seq):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
+    config = _hf_config(
         model_type,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        intermediate,
+        vocab,
+        tied=tied,
         max_position_embeddings=seq,
-        tie_word_embeddings=tied,
         use_cache=False,
         attn_implementation="sdpa",
     )
