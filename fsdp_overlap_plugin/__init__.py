@@ -23,6 +23,7 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from importlib.machinery import ModuleSpec
 
+from ._lazy import lazy_names
 from ._version import __version__, check_torch_version
 
 #: Each public name and the module that defines it.
@@ -49,17 +50,7 @@ _PUBLIC = {
 __all__ = ["__version__", *sorted(_PUBLIC, key=str.lower)]
 
 
-def __getattr__(name: str) -> object:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # found directly from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)
 
 
 class _Package(types.ModuleType):

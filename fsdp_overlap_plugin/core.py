@@ -17,15 +17,14 @@ What an adapter does with it, in the order a run needs it:
   ``written_atomically`` / ``check_complete`` / ``retire``, ``patch_optimizer_state_dict``;
 - **tell the user**: ``schedule_report`` / ``format_report``, ``say`` / ``process_rank``.
 
-Each name is imported on first use (PEP 562), as in the package's ``__init__``: an adapter's
+Each name is imported on first use (PEP 562, ``_lazy.py``, as the package root's): an adapter's
 ``from ..core import devices`` loads ``runtime/devices.py`` only, so registering the
 Lightning names at import stays cheap; ``parallelize`` and the passes load when first used.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from ._lazy import lazy_names
 
 #: Each name and the module (relative to the package) that defines it.
 _WHERE = {
@@ -63,20 +62,4 @@ _WHERE = {
 _MODULES = {"devices"}
 
 __all__ = sorted(_WHERE)
-
-if TYPE_CHECKING:  # the same names, for type checkers and readers (the layer test sees these)
-    from .shard.preflight import Preflight  # noqa: F401  (the names of _WHERE, spelt out)
-
-
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    found = importlib.import_module(module, __package__)
-    value = found if name in _MODULES else getattr(found, name)
-    globals()[name] = value  # found directly from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, modules=_MODULES)

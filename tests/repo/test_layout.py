@@ -137,6 +137,7 @@ def test_the_helper_words_each_reader_s_message():
 #: module imports only from its own folder and the layers below it.
 LAYERS = {
     "_torch_compat": 0,
+    "_lazy": 0,
     "_lightning_compat": 1,
     "_accelerate_compat": 1,
     "_version": 1,
@@ -238,6 +239,19 @@ def test_the_adapter_check_sees_a_lazy_import_past_the_core():
     found = _package_imports(PACKAGE / "accelerate" / "adapter.py", source)
     assert [_folder(t) for t, _ in found] == ["core", "shard"]
     assert "shard" not in ADAPTERS_MAY_IMPORT["accelerate"]
+
+
+def test_the_core_interface_names_only_the_layers_below_it():
+    """core.py imports its names by string (on first use), which the import check cannot
+    see: each module its table names must lie below core's layer, as an import would."""
+    import fsdp_overlap_plugin.core as core
+
+    above = {
+        name: where
+        for name, where in core._WHERE.items()
+        if LAYERS[_folder("fsdp_overlap_plugin" + where)] >= LAYERS["core"]
+    }
+    assert not above, f"core.py names modules at or above its own layer: {above}"
 
 
 def test_the_core_interface_resolves_every_name():
