@@ -24,7 +24,7 @@ as a write (conservative: an unknown call touching a buffer in flight is a breac
 * methods of a buffer: views (``view``, ``reshape``, ``as_strided``, ...) alias it, metadata
   (``size``, ``stride``, ...) is no use, a name ending in ``_`` writes it, anything else
   writes it; ``bufA[...]``, ``bufB = bufA`` and ``reinterpret_tensor(bufA, ...)`` alias it;
-* ``assert_size_stride`` / ``assert_alignment`` read metadata only;
+* ``assert_size_stride`` / ``assert_alignment`` / ``assert_tensor_metadata`` read metadata only;
 * ``del bufA`` frees it (``...; del bufA  # reuse`` reuses it);
 * any other call or expression: every buffer it mentions is written, and its result
   aliases them all.
@@ -46,7 +46,9 @@ import torch
 
 import fsdp_overlap_plugin.passes.ops  # noqa: F401 (registers torch.ops.fsdp_overlap: their schemas)
 
-META_FUNCTIONS = {"assert_size_stride", "assert_alignment"}
+# assert_tensor_metadata: assert_size_stride with a dtype, which torch 2.14's inductor writes
+# after a custom op (our receive-first exchange among them)
+META_FUNCTIONS = {"assert_size_stride", "assert_alignment", "assert_tensor_metadata"}
 META_METHODS = {"size", "stride", "dim", "numel", "storage_offset", "element_size", "is_contiguous"}
 VIEW_METHODS = {
     "view", "reshape", "as_strided", "narrow", "select", "expand", "expand_as", "permute", "t", "transpose",
