@@ -3,6 +3,7 @@
 #   make test   - the whole test suite (what CI runs through .ci/run, beside the torch matrix)
 # Both create .venv and install the package with CPU torch pinned by constraints/cpu.txt.
 #   make test-torch TORCH=2.15.0 - one release of the CI matrix, in a cached venv of its own
+#                                  (QUICK=all: every torch-sensitive quick test there too)
 
 PYTHON ?= python3
 VENV   := .venv

@@ -153,6 +153,7 @@ def test_twelve_lengths_compile_twice_and_match_one_process_aot_eager(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.newest_torch  # CI: on 2.15, beside the aot_eager Llama's twelve lengths
 def test_twelve_lengths_inductor_twice_against_one_cache(tmp_path):
     """The transformers Llama under inductor, run twice against one inductor cache: the
     second run loads both graphs from it, with the same losses and compile count."""
@@ -170,6 +171,7 @@ def test_twelve_lengths_inductor_twice_against_one_cache(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.newest_torch  # CI: on 2.15, beside the aot_eager Llama's twelve lengths
 def test_repo_gpt_inductor_twelve_lengths():
     results = run_ranks(_train, "gpt", "inductor", {}, timeout=900)
     _check(results, _reference("gpt", _batches("gpt")), 1e-4)

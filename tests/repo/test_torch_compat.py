@@ -20,7 +20,7 @@ from fsdp_overlap_plugin import _torch_compat as compat
 from fsdp_overlap_plugin import _version
 from fsdp_overlap_plugin.models.gpt import gpt_small
 
-pytestmark = pytest.mark.torch_sensitive  # CI runs its quick tests on both ends of its torch matrix (2.11, 2.15)
+pytestmark = [pytest.mark.torch_sensitive, pytest.mark.feature_probes]  # CI: on every torch of its matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 
