@@ -133,11 +133,11 @@ def test_checkpointed_second_run_is_a_cache_hit_with_the_same_numbers(tmp_path):
         assert abs(got - want) < 1e-4, (cold[0]["losses"], reference)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_aot_eager_runs_twice_against_one_cache_with_the_same_numbers(tmp_path, world):
+def test_aot_eager_runs_twice_against_one_cache_with_the_same_numbers(tmp_path):
     """aot_eager compiles nothing to disk: no compile cache is consulted (the report says
-    so by listing none), and the two runs are bitwise equal and equal to 1 process."""
-    cold, warm = _run_twice(str(tmp_path / "cache"), "aot_eager", world)
+    so by listing none), and the two runs are bitwise equal and equal to 1 process. (On 3
+    ranks, the uneven shards of the inductor test's [3]; a 2-rank run adds nothing here.)"""
+    cold, warm = _run_twice(str(tmp_path / "cache"), "aot_eager", 3)
     assert all(r["compile_cache"] == [] for r in cold + warm)
     _assert_same_training(cold, warm)
     reference = _reference()
