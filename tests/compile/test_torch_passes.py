@@ -39,7 +39,8 @@ from fsdp_overlap_plugin.config.schema import OverlapConfig, OverlapConfigError
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 from fsdp_overlap_plugin.passes.graph import collective_of_wait, is_all_gather, is_collective, is_wait
 
-pytestmark = pytest.mark.torch_sensitive
+# quick tests: probes of inductor's distributed passes on this torch, run on every torch of CI's matrix
+pytestmark = [pytest.mark.torch_sensitive, pytest.mark.feature_probes]
 
 HAS = compat.inductor_distributed_passes()
 PREFIX = "aten_distributed_optimizations."
