@@ -25,7 +25,7 @@ WHEEL = os.environ.get("FSDP_OVERLAP_TORCH_NPU_WHEEL")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.matrix,
+    pytest.mark.middle_torch,  # CI's 2.14 leg: torch-npu 2.14.0's release
     pytest.mark.skipif(
         not torch.__version__.startswith("2.14."),
         reason=f"torch-npu 2.14.0's passes are written for torch 2.14, this is {torch.__version__}: "
