@@ -23,12 +23,15 @@ from .shard.sharding import (
     ShardSettings,
     build_gather_group,
     build_mesh,
+    data_parallel_mesh,
     fully_shard_plan,
     model_gather,
     pin_mesh_hash,
     shard_parameters,
+    tensor_mesh,
 )
 from .shard.takeover import AfterPrepare, compile_notes_line, uncompiled
+from .shard.tensor_parallel import apply_tp_plan, tensor_parallel_parameters
 
 __all__ = ["parallelize", "pop_compile_notes", "take_over_compiled", "unbucketed_parameters"]
 
@@ -139,14 +142,28 @@ def parallelize(
     if mesh is None:
         device_type = devices.detect_device_type()
         mesh = build_mesh(config.mesh, device_type)
-    elif mesh.ndim not in (1, 2):
-        raise OverlapConfigError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D.")
+    # with a tensor dimension (innermost), parameters are sharded over the others
+    full_mesh, tp_mesh = mesh, tensor_mesh(mesh)
+    mesh = data_parallel_mesh(full_mesh)
+    if mesh.ndim not in (1, 2):
+        raise OverlapConfigError(
+            f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) data-parallel mesh, and optionally a tensor "
+            f"dimension innermost; got {full_mesh.ndim}-D {full_mesh.mesh_dim_names}."
+        )
+    _check_tensor_size(config, tp_mesh)
     device_type = mesh.device_type
     hash_pinned = pin_mesh_hash(mesh)  # a mesh of ours is pinned already; one given may not be
     if devices.backend_for(device_type) == "gloo":
         devices.settle_gloo_workers_at_exit()  # a torch bug at exit (its docstring)
     if device_type != "cpu" and not _on_meta(model):
         model.to(devices.device_for_rank(device_type))
+    tp_plan = apply_tp_plan(model, config.tp_plan, tp_mesh) if config.tp_plan else {}
+    if tp_mesh is not None and not tensor_parallel_parameters(model):
+        raise OverlapConfigError(
+            f"mesh.tensor={tp_mesh.size()}, but no parameter is split over the tensor-parallel ranks: give a "
+            "tp_plan (module names -> colwise / rowwise / sequence_parallel / replicate), or split the model "
+            "with torch's parallelize_module before parallelize (docs/tensor-parallel.md)."
+        )
     entries = parameter_entries(model, plan)
     state = OverlapState(
         config=config,
@@ -156,6 +173,10 @@ def parallelize(
         rank=dist.get_rank(),
         mesh_shape=tuple(mesh.shape),
         mesh=mesh,
+        tensor_parallel=tp_mesh.size() if tp_mesh is not None else 1,
+        tp_mesh=tp_mesh,
+        tp_plan=tp_plan,
+        tp_groups=(tp_mesh.get_group().group_name,) if tp_mesh is not None else (),
         instance=next(_INSTANCES),
         model_fingerprint=model_fingerprint(model),
         unbucketed_params=[fqn for fqn, entry in entries.items() if entry is None],
@@ -182,7 +203,7 @@ def parallelize(
         )
     if config.compile:
         state.adjustments.extend(hf.prepare_for_compile(model))
-        shard_parameters(model, mesh, sharding)
+        shard_parameters(model, mesh, sharding, full_mesh=full_mesh)
         state.local_layout = local_layout(model)
         if _separate_gather_group(config, device_type):
             state.gather_group = build_gather_group(mesh)
@@ -217,6 +238,22 @@ def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
     if config.separate_gather_group is not None:
         return config.separate_gather_group
     return devices.backend_for(device_type) in ("nccl", "hccl")
+
+
+def _check_tensor_size(config: OverlapConfig, tp_mesh: DeviceMesh | None) -> None:
+    """A mesh given with a tensor dimension must agree with ``mesh.tensor`` where the
+    config sets it."""
+    size = tp_mesh.size() if tp_mesh is not None else 1
+    if config.mesh.tensor not in (1, size):
+        raise OverlapConfigError(
+            f"mesh.tensor={config.mesh.tensor} contradicts the mesh passed to parallelize, whose tensor dimension "
+            f"has {size} ranks; they say the same thing, give one of them."
+        )
+    if config.tp_plan and tp_mesh is None:
+        raise OverlapConfigError(
+            "tp_plan: the mesh passed to parallelize has no tensor dimension (named 'tensor', innermost) to split "
+            "the modules over."
+        )
 
 
 def _on_meta(model: nn.Module) -> bool:

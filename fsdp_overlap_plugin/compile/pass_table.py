@@ -153,9 +153,12 @@ def run_passes(
         "graph": kind,
         "graph_id": state.graph_id,
         "inference": inference,
-        "before": collective_counts(gm.graph),
+        "before": collective_counts(gm.graph, state.tp_groups, exclude=True),
         "passes": {},
     }
+    if state.tp_groups:
+        # the tensor-parallel plan's own collectives, counted apart: the passes leave them as they are
+        record["tensor_parallel"] = {"before": collective_counts(gm.graph, state.tp_groups)}
     events_before = graph_events(gm.graph, state.plan)
     state.graph_kind = "forward" if inference else kind
     try:
@@ -179,7 +182,9 @@ def run_passes(
         # caller says no: inductor's post_grad_passes recompiles the graph itself after its
         # custom passes (torch 2.11 to 2.15), and half of this function's time was this
         gm.recompile()
-    record["after"] = collective_counts(gm.graph)
+    record["after"] = collective_counts(gm.graph, state.tp_groups, exclude=True)
+    if state.tp_groups:
+        record["tensor_parallel"]["after"] = collective_counts(gm.graph, state.tp_groups)
     as_all_to_all = (record["passes"].get("all_to_all") or {}).get("rewritten", 0)
     if as_all_to_all:
         # a gradient reduce-scatter run as all-to-all plus a local sum is still counted as
@@ -190,7 +195,10 @@ def run_passes(
         record["after"]["reduce_scatter_as_all_to_all"] = as_all_to_all
     record["nodes"] = len(gm.graph.nodes)
     gm.graph.lint()  # once, after every pass, instead of inside each
-    record["schedule"] = {"before": events_before, "after": graph_events(gm.graph, state.plan)}
+    record["schedule"] = {
+        "before": _on_lanes(events_before, state),
+        "after": _on_lanes(graph_events(gm.graph, state.plan), state),
+    }
     state.records.append(record)
     save_record(state.cache_key(), record, rank=state.rank)
     log.info(
@@ -233,3 +241,14 @@ def _warn_untraced_checkpoints(state: OverlapState, stats: dict) -> None:
             "never ran: nothing is recomputed for them. Check the module names in activation_checkpointing.",
             stacklevel=2,
         )
+
+
+def _on_lanes(events: list[dict], state: OverlapState) -> list[dict]:
+    """The tensor-parallel plan's collectives on their own lane (the link inside a node,
+    over the tensor-parallel group) for the cost model; the others as recorded."""
+    if not state.tp_groups:
+        return events
+    return [
+        dict(ev, lane="tensor", ranks=state.tensor_parallel) if ev.get("group") in state.tp_groups else ev
+        for ev in events
+    ]

@@ -1,0 +1,44 @@
+"""The ``tp_plan`` key: module names or patterns -> a tensor-parallel style.
+
+Checked here for shape and style (``OverlapConfig.validate``); the names are resolved
+against the model, and each style turned into torch's ``ParallelStyle``, by
+``shard/tensor_parallel.py`` when the plan is applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..contract import OverlapConfigError
+from .keys import suggest
+
+__all__ = ["TP_STYLES", "check_tp_plan"]
+
+#: tp_plan's styles, as MindSpeed's and transformers' plans spell them
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+
+
+def check_tp_plan(plan: Any, tensor: int) -> dict[str, str] | None:
+    """Shape and style check; module names are checked against the model when it is applied."""
+    if plan is None:
+        return None
+    if not isinstance(plan, dict) or not plan:
+        raise OverlapConfigError(
+            f"tp_plan: expected a mapping of module FQNs or patterns to a style ({', '.join(TP_STYLES)}), "
+            f"e.g. {{'layers.*.mlp.up_proj': colwise}}, got {plan!r}."
+        )
+    out = {}
+    for fqn, style in plan.items():
+        if not isinstance(fqn, str) or not fqn:
+            raise OverlapConfigError(f"tp_plan: expected module FQNs or patterns as keys, got {fqn!r}.")
+        if style not in TP_STYLES:
+            raise OverlapConfigError(
+                f"tp_plan[{fqn!r}]: unknown style {style!r}; valid: {', '.join(TP_STYLES)}.{suggest(str(style), TP_STYLES)}"
+            )
+        out[fqn] = style
+    if tensor == 1:
+        raise OverlapConfigError(
+            "tp_plan: a tensor-parallel plan needs mesh.tensor > 1 (the tensor-parallel group size, e.g. "
+            "mesh: {tensor: 2}); with mesh.tensor 1 there is nothing to split the modules over."
+        )
+    return out

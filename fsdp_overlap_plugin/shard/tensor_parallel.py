@@ -1,0 +1,152 @@
+"""Tensor parallelism under the data-parallel sharding (2-D: TP inside a node, FSDP across).
+
+The tensor-parallel part is torch's own: ``parallelize_module`` with a plan, run by the
+user's code before ``parallelize`` or by ``apply_tp_plan`` from the config's ``tp_plan``.
+It leaves a parameter of a split module a ``DTensor`` on the 1-D tensor-parallel mesh
+(``Shard(0)`` for colwise, ``Shard(1)`` for rowwise, ``Replicate()`` for a sequence-parallel
+norm) and wraps the module's forward so that its activations enter and leave as it needs.
+
+``shard.sharding`` then shards the tensor-parallel rank's *local* part over the
+data-parallel ranks (FSDP2's layout for TP parameters: ``_StridedShard(0)`` where both
+split dim 0), and its gather rebuilds that local part only (a gather over the data-parallel
+group, which the passes bucket) before re-entering the tensor-parallel mesh with the
+plan's placement. The plan's own collectives (an all-reduce after a rowwise layer, the
+gathers of sequence parallelism) stay in the module's forward, outside the parameter's
+gather, where no pass touches them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..config.plan import resolve_module_names
+from ..contract import OverlapConfigError
+
+__all__ = [
+    "TENSOR_DIM_NAME",
+    "TENSOR_DIM_NAMES",
+    "TensorLayout",
+    "apply_tp_plan",
+    "check_tensor_mesh",
+    "tensor_layout",
+    "tensor_parallel_parameters",
+]
+
+TENSOR_DIM_NAME = "tensor"
+#: what a mesh given to ``parallelize`` may call its tensor-parallel dimension: ours, torchtitan's
+#: and Accelerate's ("tp"), Lightning's ModelParallelStrategy's ("tensor_parallel")
+TENSOR_DIM_NAMES = (TENSOR_DIM_NAME, "tp", "tensor_parallel")
+
+# the module types each style splits (torch's ParallelStyles refuse others with a bare
+# NotImplementedError; ours names the module and the plan entry)
+_SPLITTABLE = {
+    "colwise": (nn.Linear, nn.Embedding),
+    "rowwise": (nn.Linear, nn.Embedding),
+}
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How a parameter of a tensor-parallel model enters the module's computation: the
+    data-parallel gather rebuilds ``local_shape`` (this tensor-parallel rank's part), which
+    then becomes a ``DTensor`` on ``mesh`` with ``placements`` (the plan's); with no mesh
+    (a parameter the plan left whole) it stays the plain tensor gathered."""
+
+    mesh: DeviceMesh | None
+    placements: tuple
+    local_shape: torch.Size
+    local_stride: tuple[int, ...]
+
+
+def _style(style: str):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel}[style]()
+
+
+def apply_tp_plan(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh) -> dict[str, str]:
+    """Split ``model``'s modules over ``tp_mesh`` as ``plan`` (the config's ``tp_plan``)
+    says; returns the plan resolved to module FQNs (patterns expanded, in module order).
+    "replicate" entries only claim their modules: they stay whole on every rank."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, str] = {}
+    claimed_by: dict[str, str] = {}
+    for pattern, style in plan.items():
+        for fqn in resolve_module_names(pattern, names, where=f"tp_plan[{pattern!r}]"):
+            if fqn in resolved and resolved[fqn] != style:
+                raise OverlapConfigError(
+                    f"tp_plan: module {fqn!r} is matched by {claimed_by[fqn]!r} ({resolved[fqn]}) and by "
+                    f"{pattern!r} ({style}); give each module one style."
+                )
+            resolved[fqn], claimed_by[fqn] = style, pattern
+            module = model.get_submodule(fqn)
+            types = _SPLITTABLE.get(style)
+            if types is not None and not isinstance(module, types):
+                raise OverlapConfigError(
+                    f"tp_plan[{pattern!r}]: {style} splits nn.Linear and nn.Embedding modules; {fqn!r} is a "
+                    f"{type(module).__name__}. Name its Linear children instead (fsdp-overlap inspect lists them)."
+                )
+    torch_plan = {fqn: _style(style) for fqn, style in resolved.items() if style != "replicate"}
+    if torch_plan:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, tp_mesh, torch_plan)
+    return resolved
+
+
+def tensor_parallel_parameters(model: nn.Module) -> list[tuple[str, DTensor]]:
+    """The parameters that are already ``DTensor``s (a tensor-parallel plan placed them)."""
+    return [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
+def check_tensor_mesh(model: nn.Module, tp_mesh: DeviceMesh | None) -> None:
+    """Every ``DTensor`` parameter must live on a 1-D mesh of the same ranks as this
+    rank's tensor-parallel group, with a placement the data-parallel sharding composes
+    with (``Shard(d)`` or ``Replicate()``); raises naming the first that does not."""
+    for name, param in tensor_parallel_parameters(model):
+        mesh = param.device_mesh
+        if tp_mesh is None:
+            raise OverlapConfigError(
+                f"parameter {name} is already a DTensor on a mesh of {mesh.size()} ranks (a tensor-parallel "
+                f"plan placed it), but the config has no tensor dimension: set mesh: {{tensor: {mesh.size()}}} "
+                "(the tensor-parallel group size) so that the plugin shards over the other ranks only."
+            )
+        if mesh.ndim != 1:
+            raise OverlapConfigError(
+                f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {mesh.mesh_dim_names}; the plugin composes "
+                "with tensor parallelism on a 1-D mesh (its tensor dimension) and shards the other dimensions itself: "
+                "pass the tensor-parallel submesh to parallelize_module, and leave data parallelism to the plugin."
+            )
+        if mesh.mesh.tolist() != tp_mesh.mesh.tolist():
+            raise OverlapConfigError(
+                f"parameter {name} is split over ranks {mesh.mesh.tolist()}, but this rank's tensor-parallel group "
+                f"(the mesh's innermost dimension, mesh.tensor={tp_mesh.size()}) is ranks {tp_mesh.mesh.tolist()}; "
+                "build the plan's mesh from the plugin's (fsdp_overlap_plugin.build_mesh(config)['tensor']) or with "
+                "the tensor-parallel dimension innermost, as init_device_mesh(..., (dp, tp)) does."
+            )
+        for placement in param.placements:
+            if not isinstance(placement, (Shard, Replicate)):
+                raise OverlapConfigError(
+                    f"parameter {name} is placed as {placement} on the tensor-parallel mesh; the plugin shards "
+                    "parameters placed Shard(d) or Replicate() there."
+                )
+
+
+def tensor_layout(param: torch.Tensor) -> TensorLayout:
+    """``param``'s tensor-parallel layout, read before the data-parallel sharding; for a
+    parameter the plan left whole (a plain tensor), no mesh: the module computes with it
+    as a plain tensor, the same on every rank of the tensor-parallel group."""
+    if not isinstance(param, DTensor):
+        return TensorLayout(mesh=None, placements=(), local_shape=param.shape, local_stride=tuple(param.stride()))
+    local = param.to_local()
+    return TensorLayout(
+        mesh=param.device_mesh,
+        placements=tuple(param.placements),
+        local_shape=local.shape,
+        local_stride=tuple(local.stride()),
+    )

@@ -1,0 +1,306 @@
+"""Tensor parallelism under the sharding, in one process (a fake process group of 4 or 8
+ranks): the config's checks, the mesh the plugin builds, the layout of a split
+parameter, and what the passes do to graphs holding both kinds of collectives.
+
+The numerics (4 gloo ranks at dp 2 x tp 2, like one process) are in
+``integration/test_tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fake import GraphCapture, fake_world
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fsdp_overlap_plugin as fo
+from fsdp_overlap_plugin.config.schema import OverlapConfig, OverlapConfigError
+from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+from fsdp_overlap_plugin.passes.graph import (
+    collective_of_wait,
+    group_name,
+    is_all_gather,
+    is_collective,
+    is_reduce_scatter,
+    is_wait,
+)
+from fsdp_overlap_plugin.runtime.state import get_state
+
+pytestmark = pytest.mark.torch_sensitive  # DTensor placements and parallel styles move between torches
+
+#: the repo GPT's MLP split the Megatron way (its attention's fused qkv cannot be split by columns)
+GPT_PLAN = {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+SMALL = {"n_layer": 2}
+
+
+def _gpt(**overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt_small(**{**SMALL, **overrides})
+
+
+def _step(model) -> None:
+    x, y = fixed_batches(1, 2, 16, 256)[0]
+    loss_fn(model(x), y).backward()
+
+
+# ---------------------------------------------------------------- the config
+
+
+def test_mesh_tensor_divides_the_world_before_the_data_parallel_sizes():
+    assert OverlapConfig(mesh={"tensor": 2}).mesh.sizes(8) == (1, 4)
+    assert OverlapConfig(mesh={"tensor": 2, "replicate": 2}).mesh.sizes(8) == (2, 2)
+    with pytest.raises(
+        OverlapConfigError, match=r"mesh.tensor=3 does not divide the world size 8; valid values: \[1, 2, 4, 8\]"
+    ):
+        OverlapConfig(mesh={"tensor": 3}).mesh.sizes(8)
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"mesh.replicate=3 does not divide the 4 data-parallel ranks \(world size 8 / tensor=2\)",
+    ):
+        OverlapConfig(mesh={"tensor": 2, "replicate": 3}).mesh.sizes(8)
+    with pytest.raises(OverlapConfigError, match=r"the world size is 4 data-parallel ranks \(8 / tensor=2\)"):
+        OverlapConfig(mesh={"tensor": 2, "replicate": 2, "shard": 4}).mesh.sizes(8)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"mesh": {"tensor": 0}}, r"mesh.tensor: must be >= 1, got 0"),
+        ({"mesh": {"tensor": "2"}}, r"mesh.tensor: expected an integer, got '2'"),
+        (
+            {"mesh": {"tensr": 2}},
+            r"unknown key 'mesh.tensr'. Did you mean 'tensor'\? Valid keys: mesh.shard, mesh.replicate, mesh.tensor",
+        ),
+        ({"tp_plan": {"a": "colwise"}}, r"tp_plan: a tensor-parallel plan needs mesh.tensor > 1"),
+        (
+            {"tp_plan": {"a": "colwize"}, "mesh": {"tensor": 2}},
+            r"tp_plan\['a'\]: unknown style 'colwize'; valid: colwise, rowwise, sequence_parallel, replicate. Did you mean 'colwise'",
+        ),
+        (
+            {"tp_plan": ["a"], "mesh": {"tensor": 2}},
+            r"tp_plan: expected a mapping of module FQNs or patterns to a style",
+        ),
+        ({"tp_plan": {}, "mesh": {"tensor": 2}}, r"tp_plan: expected a mapping"),
+    ],
+)
+def test_bad_tensor_parallel_config_names_the_key(config, message):
+    with pytest.raises(OverlapConfigError, match=message):
+        OverlapConfig.from_dict(config)
+
+
+# ---------------------------------------------------------------- the mesh and the layout
+
+
+@pytest.fixture
+def world4():
+    with fake_world(4):
+        yield
+
+
+def test_the_mesh_has_the_tensor_dimension_innermost(world4):
+    mesh = fo.build_mesh({"tensor": 2})
+    assert mesh.mesh_dim_names == ("shard", "tensor")
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]]  # the ranks of one tensor-parallel group are consecutive
+    assert mesh["tensor"].mesh.tolist() == [0, 1] and mesh["shard"].mesh.tolist() == [0, 2]
+
+
+def test_a_split_parameter_is_stored_as_fsdp2_stores_it(world4):
+    model = fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN)
+    params = dict(model.named_parameters())
+    fc, proj = params["blocks.0.mlp.fc.weight"], params["blocks.0.mlp.proj.weight"]
+    # colwise splits dim 0 over the tensor group: the data-parallel shard of that part is strided
+    assert fc.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    assert proj.placements == (Shard(0), Shard(1))
+    assert params["blocks.0.mlp.proj.bias"].placements == (Shard(0), Replicate())
+    assert fc.device_mesh.mesh_dim_names == ("shard", "tensor")
+    # global shapes kept; each rank holds a quarter of fc (256 x 64: 64 rows) and of proj (64 x 256)
+    assert fc.shape == (256, 64) and fc.to_local().shape == (64, 64)
+    assert proj.shape == (64, 256) and proj.to_local().shape == (32, 128)
+    # a module the plan did not name is sharded over the data-parallel ranks only, whole on
+    # each tensor-parallel rank: every parameter on one mesh, as gradient clipping's norm needs
+    qkv = params["blocks.0.attn.qkv.weight"]
+    assert qkv.placements == (Shard(0), Replicate()) and qkv.to_local().shape == (96, 64)
+    assert {p.device_mesh for p in params.values()} == {fc.device_mesh}
+    state = get_state(model)
+    assert state.tensor_parallel == 2 and state.mesh_shape == (2,)
+    assert state.tp_plan == {
+        f"blocks.{i}.mlp.{m}": s for i in (0, 1) for m, s in (("fc", "colwise"), ("proj", "rowwise"))
+    }
+
+
+def test_plan_errors_name_the_entry_and_the_nearest_modules(world4):
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"tp_plan\['blocks.\*.mlp.fcc'\]: pattern 'blocks.\*.mlp.fcc' matches no module. Did you mean 'blocks.\*.mlp.fc'",
+    ):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan={"blocks.*.mlp.fcc": "colwise"})
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"tp_plan\['blocks.0.mlp'\]: colwise splits nn.Linear and nn.Embedding modules; 'blocks.0.mlp' is a MLP",
+    ):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan={"blocks.0.mlp": "colwise"})
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"module 'blocks.0.mlp.fc' is matched by 'blocks.\*.mlp.fc' \(colwise\) and by 'blocks.0.mlp.fc' \(rowwise\)",
+    ):
+        fo.parallelize(
+            _gpt(),
+            backend="aot_eager",
+            mesh={"tensor": 2},
+            tp_plan={"blocks.*.mlp.fc": "colwise", "blocks.0.mlp.fc": "rowwise"},
+        )
+
+
+def test_a_tensor_dimension_with_nothing_split_is_an_error(world4):
+    with pytest.raises(
+        OverlapConfigError, match=r"mesh.tensor=2, but no parameter is split over the tensor-parallel ranks"
+    ):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2})
+    with pytest.raises(OverlapConfigError, match=r"mesh.tensor=2, but no parameter is split"):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan={"blocks.*.mlp.fc": "replicate"})
+
+
+def test_the_users_own_parallelize_module_on_the_users_mesh(world4, monkeypatch):
+    """The torchtitan spelling: the user's (dp, tp) mesh and parallelize_module, then
+    parallelize with that mesh; the data-parallel sharding goes over "dp" only."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _gpt()
+    for block in model.blocks:
+        parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    capture = GraphCapture(monkeypatch)
+    fo.parallelize(model, backend="aot_eager", mesh=mesh)
+    _step(model)
+    fc = dict(model.named_parameters())["blocks.0.mlp.fc.weight"]
+    assert fc.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    assert get_state(model).tp_plan == {}  # nothing of ours applied
+    forward = capture.get("forward", "after")
+    assert sum(is_all_gather(n) for n in forward.graph.nodes) == 4  # one per bucket
+
+
+def test_a_split_parameter_without_a_tensor_dimension_is_an_error(world4):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _gpt()
+    parallelize_module(model.blocks[0].mlp, mesh["tp"], {"fc": ColwiseParallel()})
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"parameter blocks.0.mlp.fc.weight is already a DTensor on a mesh of 2 ranks .* set mesh: \{tensor: 2\}",
+    ):
+        fo.parallelize(model, backend="aot_eager")
+    model = _gpt()
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))["tp"]  # ranks 0 and 2: not consecutive
+    parallelize_module(model.blocks[0].mlp, other, {"fc": ColwiseParallel()})
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"blocks.0.mlp.fc.weight is split over ranks \[0, 2\], but this rank's tensor-parallel group .* is ranks \[0, 1\]",
+    ):
+        fo.parallelize(model, backend="aot_eager", mesh={"tensor": 2})
+
+
+def test_a_mesh_and_mesh_tensor_that_disagree_is_an_error(world4):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tensor"))
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"mesh.tensor=4 contradicts the mesh passed to parallelize, whose tensor dimension has 2 ranks",
+    ):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh=mesh, config={"mesh": {"tensor": 4}})
+    inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "shard"))
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"expected one tensor-parallel dimension \(tensor or tp or tensor_parallel\), the innermost",
+    ):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh=inner)
+
+
+# ---------------------------------------------------------------- the passes, at 8 ranks
+
+
+def _by_group(gm, groups: dict) -> dict:
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if is_collective(n):
+            key = (groups.get(group_name(n), "other"), str(n.target).split(".")[1])
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _tensor_parallel_order(gm, tp_group: str) -> list[str]:
+    """The tensor-parallel collectives, their waits and every matmul, in graph order:
+    the passes may move neither kind across the other."""
+    order = []
+    for n in gm.graph.nodes:
+        launch = collective_of_wait(n) if is_wait(n) else n if is_collective(n) else None
+        if launch is not None and group_name(launch) == tp_group:
+            order.append(("wait " if is_wait(n) else "launch ") + launch.name)
+        elif n.op == "call_function" and n.target in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.bmm.default,
+        ):
+            order.append(n.name)
+    return order
+
+
+def test_at_8_ranks_the_passes_bucket_the_data_parallel_collectives_and_leave_the_plans(monkeypatch):
+    """replicate 2 x shard 2 x tensor 2: each bucket's gathers and reduce-scatters are one
+    collective on the shard group, its replica all-reduce one on the replicate group; the
+    plan's all-reduces (one per MLP in forward, one per MLP's input gradient in backward) stay
+    on the tensor group, as many as before, in the same order against every matmul."""
+    capture = GraphCapture(monkeypatch)
+    with fake_world(8):
+        model = fo.parallelize(
+            _gpt(),
+            backend="aot_eager",
+            mesh={"replicate": 2, "tensor": 2},
+            tp_plan=GPT_PLAN,
+            reduce_scatter_impl="native",
+        )
+        _step(model)
+        state = get_state(model)
+        assert state.mesh_shape == (2, 2) and state.tensor_parallel == 2
+        tp = state.tp_mesh.get_group().group_name
+        groups = {
+            tp: "tensor",
+            state.mesh.get_group(1).group_name: "shard",
+            state.mesh.get_group(0).group_name: "replicate",
+        }
+        assert len({*groups}) == 3
+        report = fo.schedule_report(model)
+    n_params = 29  # 2 embeddings + 2 blocks x 12 + norm 2 + head 1
+    buckets = 4
+    before, after = capture.get("forward"), capture.get("forward", "after")
+    assert _by_group(before, groups) == {("shard", "all_gather_into_tensor"): n_params, ("tensor", "all_reduce"): 2}
+    assert _by_group(after, groups) == {("shard", "all_gather_into_tensor_out"): buckets, ("tensor", "all_reduce"): 2}
+    assert _tensor_parallel_order(after, tp) == _tensor_parallel_order(before, tp)
+    before, after = capture.get("backward"), capture.get("backward", "after")
+    counts = _by_group(before, groups)
+    assert counts[("shard", "reduce_scatter_tensor")] == n_params and counts[("replicate", "all_reduce")] == n_params
+    assert counts[("tensor", "all_reduce")] == 2
+    counts = _by_group(after, groups)
+    assert counts[("shard", "reduce_scatter_tensor")] == buckets and counts[("replicate", "all_reduce")] == buckets
+    assert counts[("tensor", "all_reduce")] == 2
+    assert _tensor_parallel_order(after, tp) == _tensor_parallel_order(before, tp)
+    assert not any(is_reduce_scatter(n) and group_name(n) == tp for n in after.graph.nodes)
+    # the report counts each kind apart
+    assert report["tensor_parallel"]["size"] == 2
+    assert report["forward"]["tensor_parallel"]["after"]["all_reduce"] == 2
+    assert report["forward"]["after"]["all_reduce"] == 0  # the data-parallel columns hold none of the plan's
+    assert report["backward"]["after"]["all_reduce"] == buckets
+    text = fo.format_report(report)
+    assert "8 ranks (2 replicas of 2 shards x 2 tensor-parallel)" in text
+    assert (
+        "tensor parallel: groups of 2 ranks; the plan's collectives: forward 2 all-reduces; backward 2 all-reduces "
+        "(1 per bucket that has any), on the tensor-parallel group, not bucketed and not moved by the passes"
+    ) in text
+
+
+def test_split_parameters_are_dtensors_in_the_state_dict(world4):
+    model = fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN)
+    state = model.state_dict()
+    assert all(isinstance(v, DTensor) for v in state.values())
+    assert state["blocks.1.mlp.proj.weight"].placements == (Shard(0), Shard(1))
