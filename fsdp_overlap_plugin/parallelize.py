@@ -161,7 +161,7 @@ def parallelize(
     if tp_mesh is not None and not tensor_parallel_parameters(model):
         raise OverlapConfigError(
             f"mesh.tensor={tp_mesh.size()}, but no parameter is split over the tensor-parallel ranks: give a "
-            "tp_plan (module names -> colwise / rowwise / sequence_parallel / replicate), or split the model "
+            "tp_plan (module names -> colwise / rowwise / replicate), or split the model "
             "with torch's parallelize_module before parallelize (docs/tensor-parallel.md)."
         )
     entries = parameter_entries(model, plan)

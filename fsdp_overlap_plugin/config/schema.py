@@ -153,10 +153,10 @@ class OverlapConfig:
     """Tensor-parallel plan, applied over the mesh's tensor dimension before sharding: a
     mapping of module FQNs or patterns ("layers.*.mlp.up_proj") to a style: "colwise" (a
     Linear's or Embedding's output features split), "rowwise" (its input features split; the
-    output all-reduced), "sequence_parallel" (a norm or dropout run on a slice of the
-    sequence) or "replicate" (left whole on every tensor-parallel rank: data parallel only).
-    null: no plan of ours (the model may have been parallelized by the user's own code).
-    Needs mesh.tensor > 1."""
+    output all-reduced) or "replicate" (left whole on every tensor-parallel rank: data
+    parallel only; modules no entry names are left whole too). null: no plan of ours (the
+    model may have been parallelized by the user's own code). Needs mesh.tensor > 1; only
+    through parallelize for now (docs/tensor-parallel.md)."""
 
     activation_checkpointing: list = field(default_factory=list)
     """Module FQNs or patterns ("layers.*") whose forward is recomputed in backward. A

@@ -49,6 +49,14 @@ def check_mesh_arguments(config: OverlapConfig, sharding_strategy: Any, device_m
     ``sharding_strategy`` is a known value, ``device_mesh`` a pair of sizes, and the
     spellings that can be compared without the node count agree (the strategies check once,
     at construction; ``resolve_mesh`` checks again for a caller that did not)."""
+    if config.mesh.tensor > 1 or config.tp_plan:
+        raise OverlapConfigError(
+            f"{'tp_plan' if config.tp_plan else 'mesh'}: tensor parallelism (mesh.tensor {config.mesh.tensor}"
+            + (", a tp_plan" if config.tp_plan else "")
+            + ") is not available through the Lightning strategies yet (their data loading splits batches by "
+            "data-parallel rank only once they know the tensor dimension), only through fsdp_overlap_plugin."
+            "parallelize in your own loop (docs/tensor-parallel.md); remove it here."
+        )
     if sharding_strategy is not None:
         name = strategy_name(sharding_strategy)
         if name in _OTHER_STRATEGIES:

@@ -140,6 +140,7 @@ class TrainerStrategyMixin(StrategyBase):
         fullgraph: bool | None = None,
         dynamic: bool | str | None = None,
         mesh: dict | None = None,
+        tp_plan: dict | None = None,
         activation_checkpointing: list | None = None,
         activation_checkpointing_policy: str | None = None,
         separate_gather_group: bool | None = None,

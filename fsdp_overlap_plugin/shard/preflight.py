@@ -12,6 +12,7 @@ import torch.nn as nn
 from ..config.plan import plan_buckets
 from ..config.schema import OverlapConfig
 from .activation_checkpointing import checkpointed_modules
+from .tensor_parallel import resolve_tp_plan
 
 __all__ = ["Preflight", "preflight"]
 
@@ -34,6 +35,8 @@ def preflight(model: nn.Module, config: OverlapConfig, world: int | None = None)
     """Resolve the plan and the checkpointed modules of ``config`` against ``model``, and the
     mesh for ``world`` ranks; raise ``OverlapConfigError`` naming the key at fault."""
     plan = plan_buckets(model, config)
+    if config.tp_plan:
+        resolve_tp_plan(model, config.tp_plan)
     checkpointed, notes = checkpointed_modules(model, config)
     mesh = config.mesh.sizes(world) if world is not None else None
     return Preflight(plan, checkpointed, notes, mesh)

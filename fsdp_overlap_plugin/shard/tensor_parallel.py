@@ -3,8 +3,8 @@
 The tensor-parallel part is torch's own: ``parallelize_module`` with a plan, run by the
 user's code before ``parallelize`` or by ``apply_tp_plan`` from the config's ``tp_plan``.
 It leaves a parameter of a split module a ``DTensor`` on the 1-D tensor-parallel mesh
-(``Shard(0)`` for colwise, ``Shard(1)`` for rowwise, ``Replicate()`` for a sequence-parallel
-norm) and wraps the module's forward so that its activations enter and leave as it needs.
+(``Shard(0)`` for colwise, ``Shard(1)`` for rowwise; ``Replicate()`` where a user's own
+plan says so) and wraps the module's forward so that its activations enter and leave as it needs.
 
 ``shard.sharding`` then shards the tensor-parallel rank's *local* part over the
 data-parallel ranks (FSDP2's layout for TP parameters: ``_StridedShard(0)`` where both
@@ -33,6 +33,7 @@ __all__ = [
     "TensorLayout",
     "apply_tp_plan",
     "check_tensor_mesh",
+    "resolve_tp_plan",
     "tensor_layout",
     "tensor_parallel_parameters",
 ]
@@ -64,15 +65,17 @@ class TensorLayout:
 
 
 def _style(style: str):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel}[style]()
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[style]()
 
 
-def apply_tp_plan(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh) -> dict[str, str]:
-    """Split ``model``'s modules over ``tp_mesh`` as ``plan`` (the config's ``tp_plan``)
-    says; returns the plan resolved to module FQNs (patterns expanded, in module order).
-    "replicate" entries only claim their modules: they stay whole on every rank."""
+def resolve_tp_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` (the config's ``tp_plan``) resolved to module FQNs, patterns expanded, in
+    plan order; pure, so ``preflight`` (and with it ``fsdp-overlap check``) gives the same
+    verdict as ``apply_tp_plan``. Errors name the entry: a pattern matching no module (with
+    the nearest names), a module given two styles, a split of a module that is neither an
+    ``nn.Linear`` nor an ``nn.Embedding``."""
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, str] = {}
     claimed_by: dict[str, str] = {}
@@ -91,6 +94,14 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh) -
                     f"tp_plan[{pattern!r}]: {style} splits nn.Linear and nn.Embedding modules; {fqn!r} is a "
                     f"{type(module).__name__}. Name its Linear children instead (fsdp-overlap inspect lists them)."
                 )
+    return resolved
+
+
+def apply_tp_plan(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh) -> dict[str, str]:
+    """Split ``model``'s modules over ``tp_mesh`` as ``plan`` (the config's ``tp_plan``)
+    says; returns the plan resolved to module FQNs (``resolve_tp_plan``). "replicate"
+    entries only claim their modules: they stay whole on every rank."""
+    resolved = resolve_tp_plan(model, plan)
     torch_plan = {fqn: _style(style) for fqn, style in resolved.items() if style != "replicate"}
     if torch_plan:
         from torch.distributed.tensor.parallel import parallelize_module

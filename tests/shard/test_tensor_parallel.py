@@ -76,13 +76,17 @@ def test_mesh_tensor_divides_the_world_before_the_data_parallel_sizes():
         ({"tp_plan": {"a": "colwise"}}, r"tp_plan: a tensor-parallel plan needs mesh.tensor > 1"),
         (
             {"tp_plan": {"a": "colwize"}, "mesh": {"tensor": 2}},
-            r"tp_plan\['a'\]: unknown style 'colwize'; valid: colwise, rowwise, sequence_parallel, replicate. Did you mean 'colwise'",
+            r"tp_plan\['a'\]: unknown style 'colwize'; valid: colwise, rowwise, replicate. Did you mean 'colwise'",
         ),
         (
             {"tp_plan": ["a"], "mesh": {"tensor": 2}},
             r"tp_plan: expected a mapping of module FQNs or patterns to a style",
         ),
         ({"tp_plan": {}, "mesh": {"tensor": 2}}, r"tp_plan: expected a mapping"),
+        (
+            {"tp_plan": {"norm": "sequence_parallel"}, "mesh": {"tensor": 2}},
+            r"tp_plan\['norm'\]: sequence_parallel is not available yet: sequence parallelism needs the residual stream",
+        ),
     ],
 )
 def test_bad_tensor_parallel_config_names_the_key(config, message):
