@@ -185,6 +185,7 @@ def parallelize(
         passes=decide_passes(config),
     )
     state.adjustments.extend(pop_compile_notes(model) + checked.notes)
+    state.compile_dynamic = _compile_dynamic(config, state)
     if not hash_pinned and mesh.ndim == 2 and config.compile:
         state.adjustments.append(_UNPINNED_MESH)
     state.reduce_scatter_impl, state.reduce_scatter_reason = devices.reduce_scatter_choice(
@@ -238,6 +239,34 @@ def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
     if config.separate_gather_group is not None:
         return config.separate_gather_group
     return devices.backend_for(device_type) in ("nccl", "hccl")
+
+
+# torch 2.13, 2.14 and 2.15 cannot trace the backward of a tensor-parallel Linear whose input has a
+# symbolic size: AOT autograd recurses without end on a size (``sym_max(s, 1)``) in DTensor's
+# view (docs/tensor-parallel.md has the 15-line reproduction without the plugin; 2.11 traces it).
+_TP_STATIC = (
+    "dynamic: auto -> false under tensor parallelism: torch's DTensor cannot be traced with symbolic sizes "
+    "here (AOT autograd recurses without end in a tensor-parallel Linear's backward), so each new sequence "
+    "length compiles once on its own, up to Dynamo's recompile limit: pad batches to a few lengths "
+    "(docs/tensor-parallel.md)"
+)
+
+
+def _compile_dynamic(config: OverlapConfig, state: OverlapState) -> bool | None:
+    """torch.compile's ``dynamic`` for this model: the config's ("auto" is None), but
+    static under tensor parallelism, where symbolic sizes cannot be traced (``_TP_STATIC``)."""
+    if state.tensor_parallel == 1 or not config.compile:
+        return {"auto": None}.get(config.dynamic, config.dynamic)
+    if config.dynamic is True:
+        raise OverlapConfigError(
+            "dynamic: true compiles every size symbolic, which torch's DTensor cannot trace under tensor "
+            "parallelism (mesh.tensor > 1): AOT autograd recurses without end in a tensor-parallel Linear's "
+            "backward. Use dynamic: auto or false (each sequence length compiles once; pad batches to a few "
+            "lengths), docs/tensor-parallel.md."
+        )
+    if config.dynamic == "auto":
+        state.adjustments.append(_TP_STATIC)
+    return False
 
 
 def _check_tensor_size(config: OverlapConfig, tp_mesh: DeviceMesh | None) -> None:

@@ -21,7 +21,7 @@ import torch.fx as fx
 from .. import _torch_compat as compat
 from .. import passes
 from ..passes.events import graph_events
-from ..passes.graph import C10D, collective_counts
+from ..passes.graph import C10D, collective_counts, group_name, is_collective
 from ..runtime.records import save_record, summarize_pass
 from ..runtime.state import OverlapState
 from .diagnostics import UnbucketedWarning
@@ -153,12 +153,13 @@ def run_passes(
         "graph": kind,
         "graph_id": state.graph_id,
         "inference": inference,
-        "before": collective_counts(gm.graph, state.tp_groups, exclude=True),
-        "passes": {},
     }
-    if state.tp_groups:
+    tensor = tensor_groups(gm.graph, state)
+    record["before"] = collective_counts(gm.graph, tensor, exclude=True)
+    record["passes"] = {}
+    if tensor:
         # the tensor-parallel plan's own collectives, counted apart: the passes leave them as they are
-        record["tensor_parallel"] = {"before": collective_counts(gm.graph, state.tp_groups)}
+        record["tensor_parallel"] = {"before": collective_counts(gm.graph, tensor)}
     events_before = graph_events(gm.graph, state.plan)
     state.graph_kind = "forward" if inference else kind
     try:
@@ -182,9 +183,9 @@ def run_passes(
         # caller says no: inductor's post_grad_passes recompiles the graph itself after its
         # custom passes (torch 2.11 to 2.15), and half of this function's time was this
         gm.recompile()
-    record["after"] = collective_counts(gm.graph, state.tp_groups, exclude=True)
-    if state.tp_groups:
-        record["tensor_parallel"]["after"] = collective_counts(gm.graph, state.tp_groups)
+    record["after"] = collective_counts(gm.graph, tensor, exclude=True)
+    if tensor:
+        record["tensor_parallel"]["after"] = collective_counts(gm.graph, tensor)
     as_all_to_all = (record["passes"].get("all_to_all") or {}).get("rewritten", 0)
     if as_all_to_all:
         # a gradient reduce-scatter run as all-to-all plus a local sum is still counted as
@@ -196,8 +197,8 @@ def run_passes(
     record["nodes"] = len(gm.graph.nodes)
     gm.graph.lint()  # once, after every pass, instead of inside each
     record["schedule"] = {
-        "before": _on_lanes(events_before, state),
-        "after": _on_lanes(graph_events(gm.graph, state.plan), state),
+        "before": _on_lanes(events_before, tensor, state.tensor_parallel),
+        "after": _on_lanes(graph_events(gm.graph, state.plan), tensor, state.tensor_parallel),
     }
     state.records.append(record)
     save_record(state.cache_key(), record, rank=state.rank)
@@ -243,12 +244,35 @@ def _warn_untraced_checkpoints(state: OverlapState, stats: dict) -> None:
         )
 
 
-def _on_lanes(events: list[dict], state: OverlapState) -> list[dict]:
+def tensor_groups(graph: fx.Graph, state: OverlapState) -> tuple[str, ...]:
+    """The names, in this graph, of the tensor-parallel group: the model's own
+    (``state.tp_groups``) and any other group of the same ranks. Two meshes over the same
+    ranks are equal to DTensor, so a model prepared after another one in the same process
+    may run its plan's collectives on the first model's groups of those ranks."""
+    if not state.tp_groups:
+        return ()
+    names = set(state.tp_groups)
+    ranks = {_group_ranks(name) for name in names} - {None}
+    for node in graph.nodes:
+        if is_collective(node):
+            name = group_name(node)
+            if name not in names and _group_ranks(name) in ranks:
+                names.add(name)
+    return tuple(sorted(names, key=str))
+
+
+def _group_ranks(name: Any) -> tuple[int, ...] | None:
+    group = compat.resolve_process_group(name) if isinstance(name, str) else None
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _on_lanes(events: list[dict], tensor: tuple[str, ...], size: int) -> list[dict]:
     """The tensor-parallel plan's collectives on their own lane (the link inside a node,
     over the tensor-parallel group) for the cost model; the others as recorded."""
-    if not state.tp_groups:
+    if not tensor:
         return events
-    return [
-        dict(ev, lane="tensor", ranks=state.tensor_parallel) if ev.get("group") in state.tp_groups else ev
-        for ev in events
-    ]
+    return [dict(ev, lane="tensor", ranks=size) if ev.get("group") in tensor else ev for ev in events]

@@ -91,6 +91,9 @@ class OverlapState:
     tp_mesh: Any = None
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_groups: tuple[str, ...] = ()  # the tensor-parallel group's name (its collectives are the plan's)
+    # torch.compile's dynamic for this model: the config's, except under tensor parallelism
+    # (parallelize: "auto" compiles every length static there)
+    compile_dynamic: bool | None = None
     gather_group: Any = None
     model_fingerprint: str = ""
     records: list[dict] = field(default_factory=list)

@@ -206,6 +206,14 @@ def test_a_split_parameter_without_a_tensor_dimension_is_an_error(world4):
         fo.parallelize(model, backend="aot_eager", mesh={"tensor": 2})
 
 
+def test_dynamic_true_is_refused_under_tensor_parallelism(world4):
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"dynamic: true compiles every size symbolic, which torch's DTensor cannot trace under tensor parallelism",
+    ):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN, dynamic=True)
+
+
 def test_a_mesh_and_mesh_tensor_that_disagree_is_an_error(world4):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tensor"))
     with pytest.raises(
@@ -279,7 +287,13 @@ def test_at_8_ranks_the_passes_bucket_the_data_parallel_collectives_and_leave_th
     buckets = 4
     before, after = capture.get("forward"), capture.get("forward", "after")
     assert _by_group(before, groups) == {("shard", "all_gather_into_tensor"): n_params, ("tensor", "all_reduce"): 2}
-    assert _by_group(after, groups) == {("shard", "all_gather_into_tensor_out"): buckets, ("tensor", "all_reduce"): 2}
+    counts = _by_group(after, groups)
+    # a merged gather writes into its bucket's buffer (the _out form) or is the plain op, as the
+    # bucketing chose; either way one per bucket
+    gathers = counts.pop(("shard", "all_gather_into_tensor_out"), 0) + counts.pop(
+        ("shard", "all_gather_into_tensor"), 0
+    )
+    assert gathers == buckets and counts == {("tensor", "all_reduce"): 2}
     assert _tensor_parallel_order(after, tp) == _tensor_parallel_order(before, tp)
     before, after = capture.get("backward"), capture.get("backward", "after")
     counts = _by_group(before, groups)
@@ -308,3 +322,97 @@ def test_split_parameters_are_dtensors_in_the_state_dict(world4):
     state = model.state_dict()
     assert all(isinstance(v, DTensor) for v in state.values())
     assert state["blocks.1.mlp.proj.weight"].placements == (Shard(0), Shard(1))
+
+
+HF_PLAN = {
+    "model.layers.*.self_attn.[qkv]_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+class _Summaries:
+    """What ``run_passes`` saw of each graph before and after the passes, summarised at once
+    (collectives by group, the tensor group's order against the matmuls): a transformers
+    model's graphs hold fake constants that ``GraphCapture``'s deepcopy cannot copy."""
+
+    def __init__(self, monkeypatch):
+        import fsdp_overlap_plugin.compile.backends as backends
+
+        self.graphs: dict[str, dict] = {}
+        self.groups: dict = {}
+        original = backends.run_passes
+
+        def summarising(gm, kind, state, **kwargs):
+            tp = state.tp_groups[0]
+            before = (_by_group(gm, self.groups), _tensor_parallel_order(gm, tp))
+            record = original(gm, kind, state, **kwargs)
+            self.graphs[kind] = {
+                "before": before,
+                "after": (_by_group(gm, self.groups), _tensor_parallel_order(gm, tp)),
+            }
+            return record
+
+        monkeypatch.setattr(backends, "run_passes", summarising)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # tied, untied
+def test_at_8_ranks_a_transformers_model_keeps_its_plans_collectives(monkeypatch, family):
+    """The same at replicate 2 x shard 2 x tensor 2 for transformers models split over
+    attention and MLP: per layer the forward all-reduces after o_proj and down_proj, the
+    backward the input gradient of each of the five colwise projections; the data-parallel
+    collectives are one per bucket."""
+    import _hf
+
+    summaries = _Summaries(monkeypatch)
+    with fake_world(8):
+        model = _hf.build(family)
+        fo.parallelize(
+            model,
+            backend="aot_eager",
+            mesh={"replicate": 2, "tensor": 2},
+            tp_plan=HF_PLAN,
+            reduce_scatter_impl="native",
+        )
+        state = get_state(model)
+        summaries.groups.update(
+            {
+                state.tp_mesh.get_group().group_name: "tensor",
+                state.mesh.get_group(1).group_name: "shard",
+                state.mesh.get_group(0).group_name: "replicate",
+            }
+        )
+        _hf.loss(model, _hf.batches(1, 2)[0]).backward()
+        gathers, scatters = _hf.expected_collectives(model, state.plan)
+    layers = 2
+    for kind, per_layer in (("forward", 2), ("backward", 5)):
+        (counts_before, order_before), (counts_after, order_after) = (
+            summaries.graphs[kind]["before"],
+            summaries.graphs[kind]["after"],
+        )
+        assert counts_before[("tensor", "all_reduce")] == layers * per_layer
+        assert counts_after[("tensor", "all_reduce")] == layers * per_layer
+        assert order_after == order_before
+    forward = summaries.graphs["forward"]["after"][0]
+    # a bucket of one parameter keeps its own all_gather_into_tensor; a merged one writes into its buffer
+    assert (
+        forward.get(("shard", "all_gather_into_tensor_out"), 0) + forward.get(("shard", "all_gather_into_tensor"), 0)
+        == gathers
+    )
+    counts = summaries.graphs["backward"]["after"][0]
+    assert counts[("shard", "reduce_scatter_tensor")] == scatters and counts[("replicate", "all_reduce")] == scatters
+
+
+def test_a_second_model_in_the_process_counts_its_plans_collectives(world4):
+    """Two meshes over the same ranks are equal to DTensor: the second model's graphs may run
+    the plan's collectives on the first model's tensor group. They are still the plan's."""
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN)
+        _step(model)
+        report = fo.schedule_report(model)
+        assert report["forward"]["tensor_parallel"]["after"]["all_reduce"] == 2
+        assert report["backward"]["tensor_parallel"]["after"]["all_reduce"] == 2
+        assert report["forward"]["after"]["all_reduce"] == 0
