@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import inductor_overlap
 from .config.schema import OverlapConfig, OverlapConfigError
+from .config.tp_plan import NO_TENSOR_DIMENSION
 from .contract import BucketIndex
 from .report.messages import install_excepthook, process_rank, say
 from .runtime import accumulation, devices
@@ -279,10 +280,7 @@ def _check_tensor_size(config: OverlapConfig, tp_mesh: DeviceMesh | None) -> Non
             f"has {size} ranks; they say the same thing, give one of them."
         )
     if config.tp_plan and tp_mesh is None:
-        raise OverlapConfigError(
-            "tp_plan: the mesh passed to parallelize has no tensor dimension (named 'tensor', innermost) to split "
-            "the modules over."
-        )
+        raise OverlapConfigError(NO_TENSOR_DIMENSION)
 
 
 def _on_meta(model: nn.Module) -> bool:

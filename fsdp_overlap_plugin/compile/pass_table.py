@@ -252,16 +252,16 @@ def tensor_groups(graph: fx.Graph, state: OverlapState) -> tuple[str, ...]:
     if not state.tp_groups:
         return ()
     names = set(state.tp_groups)
-    ranks = {_group_ranks(name) for name in names} - {None}
+    ranks = {_ranks_of_group(name) for name in names} - {None}
     for node in graph.nodes:
         if is_collective(node):
             name = group_name(node)
-            if name not in names and _group_ranks(name) in ranks:
+            if name not in names and _ranks_of_group(name) in ranks:
                 names.add(name)
     return tuple(sorted(names, key=str))
 
 
-def _group_ranks(name: Any) -> tuple[int, ...] | None:
+def _ranks_of_group(name: Any) -> tuple[int, ...] | None:
     group = compat.resolve_process_group(name) if isinstance(name, str) else None
     if group is None:
         return None

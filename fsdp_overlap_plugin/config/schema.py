@@ -431,7 +431,7 @@ class OverlapConfig:
             raise OverlapConfigError(f"mesh.shard: must be >= 1, or -1 for 'the rest', got {self.mesh.shard}.")
         if self.mesh.tensor < 1:
             raise OverlapConfigError(f"mesh.tensor: must be >= 1, got {self.mesh.tensor}.")
-        self.tp_plan = check_tp_plan(self.tp_plan, self.mesh.tensor)
+        self.tp_plan = check_tp_plan(self.tp_plan)
         ac = self.activation_checkpointing
         if ac is None:
             self.activation_checkpointing = []

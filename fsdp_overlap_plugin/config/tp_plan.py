@@ -12,7 +12,7 @@ from typing import Any
 from ..contract import OverlapConfigError
 from .keys import suggest
 
-__all__ = ["TP_STYLES", "check_tp_plan"]
+__all__ = ["NO_TENSOR_DIMENSION", "TP_STYLES", "check_tp_plan"]
 
 #: tp_plan's styles, as MindSpeed's and transformers' plans spell them
 TP_STYLES = ("colwise", "rowwise", "replicate")
@@ -26,8 +26,10 @@ NOT_YET = {
 }
 
 
-def check_tp_plan(plan: Any, tensor: int) -> dict[str, str] | None:
-    """Shape and style check; module names are checked against the model when it is applied."""
+def check_tp_plan(plan: Any) -> dict[str, str] | None:
+    """Shape and style check; module names are checked against the model when it is
+    applied, and the tensor dimension it needs once the mesh is known (``mesh.tensor``,
+    Lightning's ``tensor_parallel_size`` or a mesh given to ``parallelize``)."""
     if plan is None:
         return None
     if not isinstance(plan, dict) or not plan:
@@ -46,9 +48,12 @@ def check_tp_plan(plan: Any, tensor: int) -> dict[str, str] | None:
                 f"tp_plan[{fqn!r}]: unknown style {style!r}; valid: {', '.join(TP_STYLES)}.{suggest(str(style), TP_STYLES)}"
             )
         out[fqn] = style
-    if tensor == 1:
-        raise OverlapConfigError(
-            "tp_plan: a tensor-parallel plan needs mesh.tensor > 1 (the tensor-parallel group size, e.g. "
-            "mesh: {tensor: 2}); with mesh.tensor 1 there is nothing to split the modules over."
-        )
     return out
+
+
+#: a plan with no tensor dimension to split over (``preflight`` and ``parallelize``)
+NO_TENSOR_DIMENSION = (
+    "tp_plan: a tensor-parallel plan needs a tensor dimension to split the modules over: mesh.tensor > 1 (the "
+    "tensor-parallel group size, e.g. mesh: {tensor: 2}; Lightning's tensor_parallel_size), or a mesh passed to "
+    "parallelize whose innermost dimension is named tensor, tp or tensor_parallel."
+)

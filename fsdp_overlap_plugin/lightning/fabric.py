@@ -45,6 +45,7 @@ from ..core import (
 )
 from ._common import (
     CONFIG_FIELDS,
+    LIGHTNING_MESH_NAMES,
     StrategyBase,
     align_autocast_device,
     build_config,
@@ -104,6 +105,8 @@ class FabricStrategyMixin(StrategyBase):
         timeout: timedelta | None = default_pg_timeout,
         sharding_strategy: str | None = None,
         device_mesh: tuple[int, int] | None = None,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int = 1,
         bucket_plans: str | list | None = None,
         bucket_bytes: int | str | None = None,
         manual_bucketing: bool | None = None,
@@ -137,7 +140,7 @@ class FabricStrategyMixin(StrategyBase):
         self._user_config = build_config(config, overrides)
         self._config: OverlapConfig | None = None
         self.schedule_report: dict | None = None
-        self._init_mesh_arguments(sharding_strategy, device_mesh)
+        self._init_mesh_arguments(sharding_strategy, device_mesh, tensor_parallel_size, data_parallel_size)
         self.schedule_metrics: dict[str, float] = {}
         self._parallelized: nn.Module | None = None
         super().__init__(  # type: ignore[call-arg]
@@ -161,7 +164,10 @@ class FabricStrategyMixin(StrategyBase):
         self.accelerator.setup_device(self.root_device)
         self._setup_distributed()  # seed, ranks, process group
         install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
-        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type))
+        # with tensor parallelism, Lightning's names: configure_model reads
+        # self.device_mesh["tensor_parallel"], as under ModelParallelStrategy
+        names = LIGHTNING_MESH_NAMES if config.mesh.tensor > 1 else None
+        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type, names=names))
         warn_if_npu_unused(self.root_device)
 
     # ------------------------------------------------------------------ module

@@ -49,6 +49,7 @@ from ..core import (
 )
 from ._common import (
     CONFIG_FIELDS,
+    LIGHTNING_MESH_NAMES,
     StrategyBase,
     align_autocast_device,
     build_config,
@@ -127,6 +128,8 @@ class TrainerStrategyMixin(StrategyBase):
         timeout: timedelta | None = default_pg_timeout,
         sharding_strategy: str | None = None,
         device_mesh: tuple[int, int] | None = None,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int = 1,
         bucket_plans: str | list | None = None,
         bucket_bytes: int | str | None = None,
         manual_bucketing: bool | None = None,
@@ -160,7 +163,7 @@ class TrainerStrategyMixin(StrategyBase):
         self._user_config = build_config(config, overrides)  # a wrong key fails here, at Trainer(...)
         self._config: OverlapConfig | None = None
         self._module_spec = module
-        self._init_mesh_arguments(sharding_strategy, device_mesh)
+        self._init_mesh_arguments(sharding_strategy, device_mesh, tensor_parallel_size, data_parallel_size)
         self._parallelized: nn.Module | None = None
         self.schedule_report: dict | None = None
         super().__init__(  # type: ignore[call-arg]
@@ -183,7 +186,10 @@ class TrainerStrategyMixin(StrategyBase):
         self._align_precision_device()
         self._setup_distributed()  # device, seed, ranks, process group
         install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
-        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type))
+        # with tensor parallelism, Lightning's names: configure_model reads
+        # self.device_mesh["tensor_parallel"], as under ModelParallelStrategy
+        names = LIGHTNING_MESH_NAMES if config.mesh.tensor > 1 else None
+        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type, names=names))
         # configure_model() may read it, as with ModelParallelStrategy.
         set_module_device_mesh(self.lightning_module, self.device_mesh)
         warn_if_npu_unused(self.root_device)

@@ -138,14 +138,19 @@ class ShardSettings:
     reshard_after_forward: bool = True
 
 
-def build_mesh(config: OverlapConfig | MeshConfig | dict, device_type: str | None = None) -> DeviceMesh:
+def build_mesh(
+    config: OverlapConfig | MeshConfig | dict, device_type: str | None = None, *, names: dict[str, str] | None = None
+) -> DeviceMesh:
     """The mesh over all ranks of the default group: 1-D ``(shard,)``, or 2-D
     ``(replicate, shard)`` for HSDP, with a ``tensor`` dimension innermost when
     ``mesh.tensor`` > 1 (the ranks of one tensor-parallel group consecutive). Takes the
     config, its ``MeshConfig`` or the mesh sizes as a dict (``{"tensor": 2}``); the device
     type defaults to this machine's. ``build_mesh({"tensor": 2})["tensor"]`` is the mesh to
     give torch's ``parallelize_module`` before ``parallelize(model, mesh=that_mesh)``;
-    ``data_parallel_mesh`` / ``tensor_mesh`` split it."""
+    ``data_parallel_mesh`` / ``tensor_mesh`` split it. ``names`` renames dimensions for a
+    framework that indexes the mesh its own way (Lightning's ``{"shard": "data_parallel",
+    "tensor": "tensor_parallel"}``); the tensor dimension's name must stay one of
+    ``TENSOR_DIM_NAMES``."""
     if isinstance(config, dict):
         from ..config.mesh import mesh_from_value
 
@@ -166,8 +171,10 @@ def build_mesh(config: OverlapConfig | MeshConfig | dict, device_type: str | Non
     dims.append((SHARD_DIM_NAME, shard))
     if sizes.tensor > 1:
         dims.append((TENSOR_DIM_NAME, sizes.tensor))
-    names, shape = zip(*dims)
-    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    dim_names, shape = zip(*dims)
+    if names:
+        dim_names = tuple(names.get(n, n) for n in dim_names)
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
     pin_mesh_hash(mesh)  # before anything hashes it
     return mesh
 
