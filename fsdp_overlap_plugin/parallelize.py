@@ -32,7 +32,7 @@ from .shard.sharding import (
     tensor_mesh,
 )
 from .shard.takeover import AfterPrepare, compile_notes_line, uncompiled
-from .shard.tensor_parallel import apply_tp_plan, tensor_parallel_parameters
+from .shard.tensor_parallel import TENSOR_DIM_NAMES, apply_tp_plan, tensor_parallel_parameters
 
 __all__ = ["parallelize", "pop_compile_notes", "take_over_compiled", "unbucketed_parameters"]
 
@@ -142,7 +142,9 @@ def parallelize(
     )
     if mesh is None:
         device_type = devices.detect_device_type()
-        mesh = build_mesh(config.mesh, device_type)
+        # a model the user split: the tensor dimension named as the user's mesh names it, so that
+        # the plugin's tensor mesh equals theirs (shard/tensor_parallel.tensor_layout)
+        mesh = build_mesh(config.mesh, device_type, names=_users_tensor_name(model))
     # with a tensor dimension (innermost), parameters are sharded over the others
     full_mesh, tp_mesh = mesh, tensor_mesh(mesh)
     mesh = data_parallel_mesh(full_mesh)
@@ -154,6 +156,9 @@ def parallelize(
     _check_tensor_size(config, tp_mesh)
     device_type = mesh.device_type
     hash_pinned = pin_mesh_hash(mesh)  # a mesh of ours is pinned already; one given may not be
+    if full_mesh is not mesh:
+        # split parameters are stored on the whole mesh: a graph input too
+        hash_pinned = pin_mesh_hash(full_mesh) and hash_pinned
     if devices.backend_for(device_type) == "gloo":
         devices.settle_gloo_workers_at_exit()  # a torch bug at exit (its docstring)
     if device_type != "cpu" and not _on_meta(model):
@@ -268,6 +273,14 @@ def _compile_dynamic(config: OverlapConfig, state: OverlapState) -> bool | None:
     if config.dynamic == "auto":
         state.adjustments.append(_TP_STATIC)
     return False
+
+
+def _users_tensor_name(model: nn.Module) -> dict[str, str] | None:
+    for _, param in tensor_parallel_parameters(model)[:1]:
+        names = param.device_mesh.mesh_dim_names or ()
+        if len(names) == 1 and names[0] in TENSOR_DIM_NAMES:
+            return {"tensor": names[0]}
+    return None
 
 
 def _check_tensor_size(config: OverlapConfig, tp_mesh: DeviceMesh | None) -> None:

@@ -436,7 +436,7 @@ def shard_parameters(
             entry = replaced.get(id(param))
             if entry is None:
                 if isinstance(param, DTensor) or tp_mesh is not None:
-                    entry = (_shard_tensor_parallel(param, mesh, full_mesh), tensor_layout(param))
+                    entry = (_shard_tensor_parallel(param, mesh, full_mesh), tensor_layout(param, tp_mesh))
                 else:
                     data = distribute_tensor(param.detach(), mesh, _placements(mesh, param), src_data_rank=None)
                     entry = (nn.Parameter(data, requires_grad=param.requires_grad), None)

@@ -148,15 +148,21 @@ def check_tensor_mesh(model: nn.Module, tp_mesh: DeviceMesh | None) -> None:
                 )
 
 
-def tensor_layout(param: torch.Tensor) -> TensorLayout:
+def tensor_layout(param: torch.Tensor, tp_mesh: DeviceMesh | None = None) -> TensorLayout:
     """``param``'s tensor-parallel layout, read before the data-parallel sharding; for a
     parameter the plan left whole (a plain tensor), no mesh: the module computes with it
-    as a plain tensor, the same on every rank of the tensor-parallel group."""
+    as a plain tensor, the same on every rank of the tensor-parallel group.
+
+    The layout's mesh is ``tp_mesh`` (the plugin's, its hash pinned) wherever it equals the
+    parameter's: the mesh is a graph input, and a mesh the user sliced
+    (``device_mesh["tensor_parallel"]``) hashes differently in every process, which can
+    order the graph's inputs differently on different ranks (the rank check stops that)."""
     if not isinstance(param, DTensor):
         return TensorLayout(mesh=None, placements=(), local_shape=param.shape, local_stride=tuple(param.stride()))
     local = param.to_local()
+    mesh = tp_mesh if tp_mesh is not None and tp_mesh == param.device_mesh else param.device_mesh
     return TensorLayout(
-        mesh=param.device_mesh,
+        mesh=mesh,
         placements=tuple(param.placements),
         local_shape=local.shape,
         local_stride=tuple(local.stride()),

@@ -10,7 +10,10 @@ One 4-rank job runs every scenario:
   ranks' batches (the two ranks of a tensor-parallel group read the same batch), within 1e-5;
 * the same model with the config's ``tp_plan`` instead of ``configure_model``'s plan;
 * a ``configure_model`` that also calls ``fully_shard`` (the rest of a ModelParallelStrategy
-  recipe): stopped at setup with an error saying to drop it.
+  recipe): stopped at setup with an error saying to drop it;
+* Fabric with ``FSDPOverlapFabricStrategy(tensor_parallel_size=2, tp_plan=...)``: its
+  ``setup_dataloaders`` gives both ranks of a tensor-parallel group the same batches, and the
+  training equals the same reference.
 """
 
 from __future__ import annotations
@@ -94,12 +97,37 @@ def _fit(root: str, module: TensorParallelGPT, **strategy) -> dict:
     }
 
 
+def _fabric() -> dict:
+    from lightning.fabric import Fabric
+
+    from fsdp_overlap_plugin.lightning import FSDPOverlapFabricStrategy
+
+    torch._dynamo.reset()
+    strategy = FSDPOverlapFabricStrategy(backend="aot_eager", tensor_parallel_size=TP, tp_plan=PLAN)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=WORLD)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup(gpt_small(**GPT))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
+    data = fabric.setup_dataloaders(DataLoader(dataset(SAMPLES), batch_size=PER_RANK, shuffle=True))
+    losses = []
+    torch.manual_seed(0)  # the sampler's shuffle seed: Fabric's DistributedSampler uses seed 0
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().float().item())
+    return {"losses": losses, "params": full_params(model.module if hasattr(model, "module") else model)}
+
+
 def _scenarios(rank: int, world: int, root: str) -> dict:
     torch.set_num_threads(1)
     out = {
         "own_plan": _fit(f"{root}/a", TensorParallelGPT(), data_parallel_size=DP, tensor_parallel_size=TP),
         "config_plan": _fit(f"{root}/b", TensorParallelGPT(split=False), tensor_parallel_size=TP, tp_plan=PLAN),
     }
+    out["fabric"] = _fabric()
     try:
         _fit(f"{root}/c", TensorParallelGPT(also_fully_shard=True), tensor_parallel_size=TP)
         out["fully_shard"] = None
@@ -112,7 +140,9 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
         for d in range(DP):
             sampler = DistributedSampler(data, num_replicas=DP, rank=d, shuffle=True, seed=0)
             per_dp.append(list(DataLoader(data, batch_size=PER_RANK, sampler=sampler)))
-        steps = [tuple(torch.cat([per_dp[d][s][i] for d in range(DP)]) for i in range(2)) for s in range(len(per_dp[0]))]
+        steps = [
+            tuple(torch.cat([per_dp[d][s][i] for d in range(DP)]) for i in range(2)) for s in range(len(per_dp[0]))
+        ]
         torch.manual_seed(0)
         out["reference"] = reference_run(gpt_small(**GPT), steps, lr=0.5)
     return out
@@ -123,14 +153,18 @@ def results(tmp_path_factory) -> list[dict]:
     return run_ranks(_scenarios, str(tmp_path_factory.mktemp("tp")), world=WORLD, env=ENV, timeout=900)
 
 
-@pytest.mark.parametrize("name", ["own_plan", "config_plan"])
+@pytest.mark.parametrize("name", ["own_plan", "config_plan", "fabric"])
 def test_trains_like_one_process(results, name):
     reference = results[0]["reference"]
     for rank, result in enumerate(results):
         ours = result[name]
         # each rank's local losses: a data-parallel rank's batch, the same on its two tensor-parallel ranks
-        assert ours["sampler"] == {"num_replicas": DP, "rank": rank // TP}
-        assert ours["mesh"] == ("data_parallel", "tensor_parallel")
+        if name != "fabric":
+            assert ours["sampler"] == {"num_replicas": DP, "rank": rank // TP}
+            assert ours["mesh"] == ("data_parallel", "tensor_parallel")
+        assert ours["losses"] == result[name]["losses"]
+        if rank % TP:
+            assert ours["losses"] == results[rank - 1][name]["losses"]  # the same batches as its group's first rank
         assert ours["params"].keys() == reference["params"].keys()
         worst = max((ours["params"][k] - reference["params"][k]).abs().max().item() for k in ours["params"])
         assert worst <= TOL, (name, rank, worst)
