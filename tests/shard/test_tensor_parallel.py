@@ -413,3 +413,20 @@ def test_a_second_model_in_the_process_counts_its_plans_collectives(world4):
         assert report["forward"]["tensor_parallel"]["after"]["all_reduce"] == 2
         assert report["backward"]["tensor_parallel"]["after"]["all_reduce"] == 2
         assert report["forward"]["after"]["all_reduce"] == 0
+
+
+def test_check_says_what_its_numbers_leave_out_under_tensor_parallelism(capsys):
+    from pathlib import Path
+
+    from _cli import run
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "plugin_ok_tensor_parallel.yaml"
+    code, out, _ = run(
+        capsys, "check", str(fixture), "--model", "fsdp_overlap_plugin.models.gpt:gpt_small", "--world", "4"
+    )
+    assert code == 0, out
+    assert (
+        "tensor  mesh.tensor 2: tensor-parallel groups of 2 consecutive ranks (tp_plan with 2 entries); the sizes and "
+        "predictions here count the data-parallel sharding only"
+    ) in out
+    assert "memory  4 ranks (mesh 2):" in out  # the data-parallel shard group: 2 of the 4 ranks
