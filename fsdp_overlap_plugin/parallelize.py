@@ -32,7 +32,7 @@ from .shard.sharding import (
     tensor_mesh,
 )
 from .shard.takeover import AfterPrepare, compile_notes_line, uncompiled
-from .shard.tensor_parallel import TENSOR_DIM_NAMES, apply_tp_plan, tensor_parallel_parameters
+from .shard.tensor_parallel import TENSOR_DIM_NAMES, apply_tp_plan, auto_plan_notes, tensor_parallel_parameters
 
 __all__ = ["parallelize", "pop_compile_notes", "take_over_compiled", "unbucketed_parameters"]
 
@@ -191,6 +191,8 @@ def parallelize(
         passes=decide_passes(config),
     )
     state.adjustments.extend(pop_compile_notes(model) + checked.notes)
+    if config.tp_plan == "auto":
+        state.adjustments.extend(auto_plan_notes(model))
     state.compile_dynamic = _compile_dynamic(config, state)
     if not hash_pinned and mesh.ndim == 2 and config.compile:
         state.adjustments.append(_UNPINNED_MESH)

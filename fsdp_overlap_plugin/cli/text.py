@@ -196,7 +196,9 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
             "parameters per rank (sharded)"
         )
     if config.mesh.tensor > 1:
-        plan = f"tp_plan with {len(config.tp_plan)} entries" if config.tp_plan else "the model's own tensor-parallel plan"
+        plan = (
+            f"tp_plan with {len(config.tp_plan)} entries" if config.tp_plan else "the model's own tensor-parallel plan"
+        )
         out.append(
             f"tensor  mesh.tensor {config.mesh.tensor}: tensor-parallel groups of {config.mesh.tensor} consecutive "
             f"ranks ({plan}); the sizes and predictions here count the data-parallel sharding only, every parameter "

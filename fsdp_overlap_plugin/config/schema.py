@@ -149,8 +149,10 @@ class OverlapConfig:
     the model's own parallelize_module), FSDP over the other dimensions
     (docs/tensor-parallel.md)."""
 
-    tp_plan: dict | None = None
-    """Tensor-parallel plan, applied over the mesh's tensor dimension before sharding: a
+    tp_plan: dict | str | None = None
+    """Tensor-parallel plan, applied over the mesh's tensor dimension before sharding: "auto"
+    (a transformers model's own plan, the colwise and rowwise entries of its _tp_plan: the
+    decoder layers' attention and MLP projections; its embedding and head stay whole), or a
     mapping of module FQNs or patterns ("layers.*.mlp.up_proj") to a style: "colwise" (a
     Linear's or Embedding's output features split), "rowwise" (its input features split; the
     output all-reduced) or "replicate" (left whole on every tensor-parallel rank: data

@@ -26,16 +26,16 @@ NOT_YET = {
 }
 
 
-def check_tp_plan(plan: Any) -> dict[str, str] | None:
+def check_tp_plan(plan: Any) -> dict[str, str] | str | None:
     """Shape and style check; module names are checked against the model when it is
     applied, and the tensor dimension it needs once the mesh is known (``mesh.tensor``,
     Lightning's ``tensor_parallel_size`` or a mesh given to ``parallelize``)."""
-    if plan is None:
-        return None
+    if plan is None or plan == "auto":
+        return plan
     if not isinstance(plan, dict) or not plan:
         raise OverlapConfigError(
-            f"tp_plan: expected a mapping of module FQNs or patterns to a style ({', '.join(TP_STYLES)}), "
-            f"e.g. {{'layers.*.mlp.up_proj': colwise}}, got {plan!r}."
+            f'tp_plan: expected "auto" (a transformers model\'s own plan) or a mapping of module FQNs or patterns '
+            f"to a style ({', '.join(TP_STYLES)}), e.g. {{'layers.*.mlp.up_proj': colwise}}, got {plan!r}."
         )
     out = {}
     for fqn, style in plan.items():

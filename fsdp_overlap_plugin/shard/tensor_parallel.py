@@ -32,6 +32,8 @@ __all__ = [
     "TENSOR_DIM_NAMES",
     "TensorLayout",
     "apply_tp_plan",
+    "auto_plan_notes",
+    "auto_plan_of",
     "check_tensor_mesh",
     "resolve_tp_plan",
     "tensor_layout",
@@ -70,12 +72,40 @@ def _style(style: str):
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[style]()
 
 
-def resolve_tp_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+def auto_plan_of(model: nn.Module) -> dict[str, str]:
+    """``tp_plan: auto``: the colwise / rowwise entries of a transformers model's own plan
+    (``shard/hf.own_tp_plan``); an error naming the model when it has none."""
+    from .hf import own_tp_plan
+
+    applied, _ = own_tp_plan(model)
+    if not applied:
+        raise OverlapConfigError(
+            f"tp_plan: auto reads a transformers model's own tensor-parallel plan (its _tp_plan, from the config's "
+            f"base_model_tp_plan); {type(model).__name__} has no colwise or rowwise entry there: write the plan "
+            "(tp_plan: {module pattern: colwise | rowwise | replicate})."
+        )
+    return applied
+
+
+def auto_plan_notes(model: nn.Module) -> list[str]:
+    """What ``tp_plan: auto`` left whole of the model's own plan, one line for the report."""
+    from .hf import own_tp_plan
+
+    _, left = own_tp_plan(model)
+    if not left:
+        return []
+    entries = ", ".join(f"{k} ({v})" for k, v in left.items())
+    return [f"tp_plan: auto applied the model's colwise and rowwise entries; left whole (not split yet): {entries}"]
+
+
+def resolve_tp_plan(model: nn.Module, plan: dict[str, str] | str) -> dict[str, str]:
     """``plan`` (the config's ``tp_plan``) resolved to module FQNs, patterns expanded, in
     plan order; pure, so ``preflight`` (and with it ``fsdp-overlap check``) gives the same
     verdict as ``apply_tp_plan``. Errors name the entry: a pattern matching no module (with
     the nearest names), a module given two styles, a split of a module that is neither an
     ``nn.Linear`` nor an ``nn.Embedding``."""
+    if plan == "auto":
+        plan = auto_plan_of(model)
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, str] = {}
     claimed_by: dict[str, str] = {}
@@ -97,7 +127,7 @@ def resolve_tp_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return resolved
 
 
-def apply_tp_plan(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh) -> dict[str, str]:
+def apply_tp_plan(model: nn.Module, plan: dict[str, str] | str, tp_mesh: DeviceMesh) -> dict[str, str]:
     """Split ``model``'s modules over ``tp_mesh`` as ``plan`` (the config's ``tp_plan``)
     says; returns the plan resolved to module FQNs (``resolve_tp_plan``). "replicate"
     entries only claim their modules: they stay whole on every rank."""

@@ -79,9 +79,9 @@ def test_mesh_tensor_divides_the_world_before_the_data_parallel_sizes():
         ),
         (
             {"tp_plan": ["a"], "mesh": {"tensor": 2}},
-            r"tp_plan: expected a mapping of module FQNs or patterns to a style",
+            r'tp_plan: expected "auto" \(a transformers model\'s own plan\) or a mapping of module FQNs or patterns to a style \(colwise, rowwise, replicate\)',
         ),
-        ({"tp_plan": {}, "mesh": {"tensor": 2}}, r"tp_plan: expected a mapping"),
+        ({"tp_plan": {}, "mesh": {"tensor": 2}}, r'tp_plan: expected "auto" .* got \{\}'),
         (
             {"tp_plan": {"norm": "sequence_parallel"}, "mesh": {"tensor": 2}},
             r"tp_plan\['norm'\]: sequence_parallel is not available yet: sequence parallelism needs the residual stream",
@@ -430,3 +430,42 @@ def test_check_says_what_its_numbers_leave_out_under_tensor_parallelism(capsys):
         "predictions here count the data-parallel sharding only"
     ) in out
     assert "memory  4 ranks (mesh 2):" in out  # the data-parallel shard group: 2 of the 4 ranks
+
+
+def test_auto_applies_a_transformers_models_own_plan(world4):
+    """``tp_plan: auto``: the colwise / rowwise entries of the model's ``_tp_plan`` (its
+    config's ``base_model_tp_plan``); the vocabulary-parallel embedding and the gathered head
+    stay whole, and the report says so."""
+    import _hf
+
+    model = _hf.build("llama")
+    fo.parallelize(model, backend="aot_eager", mesh={"tensor": 2}, tp_plan="auto")
+    state = get_state(model)
+    assert state.tp_plan == {
+        f"model.layers.{i}.{m}": style
+        for i in (0, 1)
+        for m, style in (
+            ("self_attn.q_proj", "colwise"),
+            ("self_attn.k_proj", "colwise"),
+            ("self_attn.v_proj", "colwise"),
+            ("self_attn.o_proj", "rowwise"),
+            ("mlp.gate_proj", "colwise"),
+            ("mlp.up_proj", "colwise"),
+            ("mlp.down_proj", "rowwise"),
+        )
+    }
+    params = dict(model.named_parameters())
+    assert params["model.layers.0.self_attn.o_proj.weight"].placements == (Shard(0), Shard(1))
+    assert params["model.embed_tokens.weight"].placements == (Shard(0), Replicate())
+    assert (
+        "tp_plan: auto applied the model's colwise and rowwise entries; left whole (not split yet): "
+        "lm_head (colwise_gather_output), model.embed_tokens (embedding_rowwise)"
+    ) in state.adjustments
+
+
+def test_auto_on_a_model_without_a_plan_says_to_write_one(world4):
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"tp_plan: auto reads a transformers model's own tensor-parallel plan .* GPT has no colwise or rowwise entry there: write the plan",
+    ):
+        fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan="auto")

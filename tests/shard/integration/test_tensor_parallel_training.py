@@ -10,8 +10,8 @@ of a data-parallel rank see the same batch):
   with gradient clipping (the norm over both mesh dimensions) and batches of three
   sequence lengths (compiled once each: see ``parallelize._TP_STATIC``);
 * the same under inductor;
-* a tied transformers Llama with the config's plan over attention and MLP, with activation
-  checkpointing of its layers;
+* a tied transformers Llama with ``tp_plan: auto`` (its own plan: attention and MLP), with
+  activation checkpointing of its layers;
 * an untied Qwen2 split by the user's own ``parallelize_module`` on the plugin's tensor
   mesh, the torchtitan way;
 * the repo GPT built on the meta device, split, sharded, then ``materialize``d with the
@@ -117,7 +117,7 @@ def _scenario(rank: int, name: str) -> dict:
         import _hf
 
         data, loss, clip = _hf.batches(4, 4), _hf_loss, None
-        family = "llama" if name == "llama_tied_config_plan" else "qwen2"
+        family = "llama" if name == "llama_tied_auto_plan" else "qwen2"
         model = _hf.build(family)
         sharded = _hf.build(family)
         if family == "llama":
@@ -125,7 +125,7 @@ def _scenario(rank: int, name: str) -> dict:
                 sharded,
                 backend="aot_eager",
                 mesh={"tensor": TP},
-                tp_plan=HF_PLAN,
+                tp_plan="auto",  # the model's own plan: attention and MLP, as HF_PLAN writes it
                 activation_checkpointing=["model.layers.*"],
             )
         else:
@@ -164,7 +164,7 @@ def _expand(module: torch.nn.Module, pattern: str) -> list[str]:
 SCENARIOS = (
     "gpt_aot_eager",
     "gpt_inductor",
-    "llama_tied_config_plan",
+    "llama_tied_auto_plan",
     "qwen2_own_parallelize_module",
     "gpt_meta",
     "gpt_eager",
@@ -210,7 +210,7 @@ def test_three_lengths_compile_once_each(results):
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt_aot_eager", "gpt_inductor", "llama_tied_config_plan", "qwen2_own_parallelize_module"]
+    "name", ["gpt_aot_eager", "gpt_inductor", "llama_tied_auto_plan", "qwen2_own_parallelize_module"]
 )
 def test_the_passes_bucket_the_data_parallel_collectives_and_count_the_plans(results, name):
     report = results[0][name]["report"]
