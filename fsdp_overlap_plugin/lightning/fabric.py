@@ -39,6 +39,7 @@ from ..core import (
     build_mesh,
     format_report,
     install_excepthook,
+    refuse_tensor_parallel_checkpoint,
     replica_all_reduce_skipped,
     replica_sync_of,
     schedule_report,
@@ -217,6 +218,8 @@ class FabricStrategyMixin(StrategyBase):
     def save_checkpoint(self, path: Any, state: dict, storage_options: Any = None, filter: Any = None) -> None:
         """Fabric's save, written beside ``path`` and renamed into place once every rank
         has written: a kill mid-save leaves the previous checkpoint of that name, complete."""
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Fabric checkpoint save")
         path = Path(self.broadcast(path))
         with saved_atomically(path, state.get("step")) as partial, no_gathers():
             super().save_checkpoint(partial, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
@@ -225,6 +228,8 @@ class FabricStrategyMixin(StrategyBase):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Fabric checkpoint load")
         path = Path(self.broadcast(path))
         check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():

@@ -44,6 +44,7 @@ from ..core import (
     format_report,
     get_state,
     install_excepthook,
+    refuse_tensor_parallel_checkpoint,
     replica_all_reduce_skipped,
     schedule_report,
 )
@@ -287,6 +288,8 @@ class TrainerStrategyMixin(StrategyBase):
         """Lightning's save (a DCP folder and ``meta.pt``, or one full file), written beside
         ``filepath`` and renamed into place once every rank has written: a kill mid-save
         leaves the previous checkpoint of that name, complete."""
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Trainer checkpoint save")
         path = Path(self.broadcast(filepath))
         with saved_atomically(path, checkpoint.get("global_step")) as partial:
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)  # type: ignore[misc]
@@ -302,6 +305,8 @@ class TrainerStrategyMixin(StrategyBase):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Trainer checkpoint load")
         path = Path(self.broadcast(checkpoint_path))
         check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():

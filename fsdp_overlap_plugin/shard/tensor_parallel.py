@@ -35,6 +35,7 @@ __all__ = [
     "auto_plan_notes",
     "auto_plan_of",
     "check_tensor_mesh",
+    "refuse_tensor_parallel_checkpoint",
     "resolve_tp_plan",
     "tensor_layout",
     "tensor_parallel_parameters",
@@ -196,4 +197,26 @@ def tensor_layout(param: torch.Tensor, tp_mesh: DeviceMesh | None = None) -> Ten
         placements=tuple(param.placements),
         local_shape=local.shape,
         local_stride=tuple(local.stride()),
+    )
+
+
+def refuse_tensor_parallel_checkpoint(model: nn.Module, what: str) -> None:
+    """Checkpoints of a tensor-parallel model are not tested yet (issue 59's next step):
+    ``what`` (a save or a load) stops with that said, instead of writing or reading state
+    nobody has checked."""
+    on_tensor = [
+        (name, param)
+        for name, param in model.named_parameters()
+        if isinstance(param, DTensor) and set(param.device_mesh.mesh_dim_names or ()) & set(TENSOR_DIM_NAMES)
+    ]
+    if not on_tensor:
+        return
+    split = [name for name, param in on_tensor if isinstance(param.placements[-1], Shard)]
+    which = (
+        f"{split[0]} is split over the mesh's tensor dimension" if split else f"{on_tensor[0][0]} is on a tensor mesh"
+    )
+    raise OverlapConfigError(
+        f"{what}: the model is tensor-parallel ({which}); its checkpoints are not supported yet "
+        "(docs/tensor-parallel.md). Train without saving, or save the plain state_dict() yourself (every rank, "
+        "torch.distributed.checkpoint) at your own risk."
     )

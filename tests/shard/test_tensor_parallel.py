@@ -469,3 +469,13 @@ def test_auto_on_a_model_without_a_plan_says_to_write_one(world4):
         match=r"tp_plan: auto reads a transformers model's own tensor-parallel plan .* GPT has no colwise or rowwise entry there: write the plan",
     ):
         fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan="auto")
+
+
+def test_checkpoints_of_a_tensor_parallel_model_are_refused_until_tested(world4, tmp_path):
+    from fsdp_overlap_plugin.shard import checkpoint
+
+    model = fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN)
+    for call in (lambda: checkpoint.save(tmp_path, model, step=1), lambda: checkpoint.load_latest(tmp_path, model)):
+        with pytest.raises(OverlapConfigError, match=r"the model is tensor-parallel \(blocks.0.mlp.fc.weight is split"):
+            call()
+    assert not any(tmp_path.iterdir())  # nothing written

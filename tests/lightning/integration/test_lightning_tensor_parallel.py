@@ -89,7 +89,13 @@ def _fit(root: str, module: TensorParallelGPT, **strategy) -> dict:
         max_epochs=1,
     )
     run.fit(module, loader(dataset(SAMPLES), batch=PER_RANK))
+    try:
+        run.save_checkpoint(f"{root}/last.ckpt")
+        refused = None
+    except OverlapConfigError as exc:
+        refused = str(exc)
     return {
+        "checkpoint": refused,
         "losses": module.losses,
         "params": full_params(module.model),
         "sampler": run.strategy.distributed_sampler_kwargs,
@@ -172,6 +178,11 @@ def test_trains_like_one_process(results, name):
     for step, want in enumerate(reference["losses"]):
         got = sum(results[d * TP][name]["losses"][step] for d in range(DP)) / DP
         assert abs(got - want) <= TOL, (name, step, got, want)
+
+
+def test_a_checkpoint_is_refused_until_tested(results):
+    for result in results:
+        assert "Trainer checkpoint save: the model is tensor-parallel" in result["own_plan"]["checkpoint"]
 
 
 def test_a_leftover_fully_shard_is_refused_with_what_to_do(results):
