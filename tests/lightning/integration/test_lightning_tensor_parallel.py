@@ -103,7 +103,7 @@ def _fit(root: str, module: TensorParallelGPT, **strategy) -> dict:
     }
 
 
-def _fabric() -> dict:
+def _fabric(root: str) -> dict:
     from lightning.fabric import Fabric
 
     from fsdp_overlap_plugin.lightning import FSDPOverlapFabricStrategy
@@ -124,7 +124,16 @@ def _fabric() -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach().float().item())
-    return {"losses": losses, "params": full_params(model.module if hasattr(model, "module") else model)}
+    try:
+        fabric.save(f"{root}/fabric.ckpt", {"model": model})
+        refused = None
+    except OverlapConfigError as exc:
+        refused = str(exc)
+    return {
+        "losses": losses,
+        "params": full_params(model.module if hasattr(model, "module") else model),
+        "checkpoint": refused,
+    }
 
 
 def _scenarios(rank: int, world: int, root: str) -> dict:
@@ -133,7 +142,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
         "own_plan": _fit(f"{root}/a", TensorParallelGPT(), data_parallel_size=DP, tensor_parallel_size=TP),
         "config_plan": _fit(f"{root}/b", TensorParallelGPT(split=False), tensor_parallel_size=TP, tp_plan=PLAN),
     }
-    out["fabric"] = _fabric()
+    out["fabric"] = _fabric(root)
     try:
         _fit(f"{root}/c", TensorParallelGPT(also_fully_shard=True), tensor_parallel_size=TP)
         out["fully_shard"] = None
@@ -183,6 +192,7 @@ def test_trains_like_one_process(results, name):
 def test_a_checkpoint_is_refused_until_tested(results):
     for result in results:
         assert "Trainer checkpoint save: the model is tensor-parallel" in result["own_plan"]["checkpoint"]
+        assert "Fabric checkpoint save: the model is tensor-parallel" in result["fabric"]["checkpoint"]
 
 
 def test_a_leftover_fully_shard_is_refused_with_what_to_do(results):
