@@ -35,6 +35,7 @@ _PUBLIC = {
     "PlanWarning": ".config.plan",
     "UninitializedWarning": ".shard.initialize",
     "auto_plan": ".config.plan",
+    "build_mesh": ".shard.sharding",
     "format_report": ".report.schedule_text",
     "full_state_dict": ".shard.export",
     "gather_disabled": ".shard.sharding",

@@ -77,6 +77,7 @@ __all__ = [
     "patch_optimizer_state_dict",
     "process_group_rank",
     "queue_backward_callback",
+    "strided_shard",
     "register_process_group",
     "resolve_process_group",
     "preserve_node_ordering",
@@ -339,6 +340,15 @@ def set_mesh_cached_hash(mesh: Any, value: int) -> None:
     """Set the hash ``DeviceMesh.__hash__`` returns (it returns its cached ``_hash`` as it
     is): shard.sharding.pin_mesh_hash gives it a value that is the same in every process."""
     mesh._hash = value
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """FSDP2's data-parallel placement of a parameter that tensor parallelism splits on the
+    same dim (``torch.distributed.tensor.placement_types._StridedShard``): the data-parallel
+    ``Shard(dim)`` of each tensor-parallel part, ``split_factor`` parts."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

@@ -46,6 +46,7 @@ _WHERE = {
     "replica_sync_of": ".runtime.accumulation",
     # state in and out
     "check_complete": ".shard.atomic_checkpoint",
+    "refuse_tensor_parallel_checkpoint": ".shard.tensor_parallel",
     "full_state_dict": ".shard.export",
     "gather_disabled": ".shard.sharding",
     "patch_optimizer_state_dict": "._torch_compat",

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import inductor_overlap
 from .config.schema import OverlapConfig, OverlapConfigError
+from .config.tp_plan import NO_TENSOR_DIMENSION
 from .contract import BucketIndex
 from .report.messages import install_excepthook, process_rank, say
 from .runtime import accumulation, devices
@@ -23,12 +24,15 @@ from .shard.sharding import (
     ShardSettings,
     build_gather_group,
     build_mesh,
+    data_parallel_mesh,
     fully_shard_plan,
     model_gather,
     pin_mesh_hash,
     shard_parameters,
+    tensor_mesh,
 )
 from .shard.takeover import AfterPrepare, compile_notes_line, uncompiled
+from .shard.tensor_parallel import TENSOR_DIM_NAMES, apply_tp_plan, auto_plan_notes, tensor_parallel_parameters
 
 __all__ = ["parallelize", "pop_compile_notes", "take_over_compiled", "unbucketed_parameters"]
 
@@ -138,15 +142,34 @@ def parallelize(
     )
     if mesh is None:
         device_type = devices.detect_device_type()
-        mesh = build_mesh(config.mesh, device_type)
-    elif mesh.ndim not in (1, 2):
-        raise OverlapConfigError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D.")
+        # a model the user split: the tensor dimension named as the user's mesh names it, so that
+        # the plugin's tensor mesh equals theirs (shard/tensor_parallel.tensor_layout)
+        mesh = build_mesh(config.mesh, device_type, names=_users_tensor_name(model))
+    # with a tensor dimension (innermost), parameters are sharded over the others
+    full_mesh, tp_mesh = mesh, tensor_mesh(mesh)
+    mesh = data_parallel_mesh(full_mesh)
+    if mesh.ndim not in (1, 2):
+        raise OverlapConfigError(
+            f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) data-parallel mesh, and optionally a tensor "
+            f"dimension innermost; got {full_mesh.ndim}-D {full_mesh.mesh_dim_names}."
+        )
+    _check_tensor_size(config, tp_mesh)
     device_type = mesh.device_type
     hash_pinned = pin_mesh_hash(mesh)  # a mesh of ours is pinned already; one given may not be
+    if full_mesh is not mesh:
+        # split parameters are stored on the whole mesh: a graph input too
+        hash_pinned = pin_mesh_hash(full_mesh) and hash_pinned
     if devices.backend_for(device_type) == "gloo":
         devices.settle_gloo_workers_at_exit()  # a torch bug at exit (its docstring)
     if device_type != "cpu" and not _on_meta(model):
         model.to(devices.device_for_rank(device_type))
+    tp_plan = apply_tp_plan(model, config.tp_plan, tp_mesh) if config.tp_plan else {}
+    if tp_mesh is not None and not tensor_parallel_parameters(model):
+        raise OverlapConfigError(
+            f"mesh.tensor={tp_mesh.size()}, but no parameter is split over the tensor-parallel ranks: give a "
+            "tp_plan (module names -> colwise / rowwise / replicate), or split the model "
+            "with torch's parallelize_module before parallelize (docs/tensor-parallel.md)."
+        )
     entries = parameter_entries(model, plan)
     state = OverlapState(
         config=config,
@@ -156,6 +179,10 @@ def parallelize(
         rank=dist.get_rank(),
         mesh_shape=tuple(mesh.shape),
         mesh=mesh,
+        tensor_parallel=tp_mesh.size() if tp_mesh is not None else 1,
+        tp_mesh=tp_mesh,
+        tp_plan=tp_plan,
+        tp_groups=(tp_mesh.get_group().group_name,) if tp_mesh is not None else (),
         instance=next(_INSTANCES),
         model_fingerprint=model_fingerprint(model),
         unbucketed_params=[fqn for fqn, entry in entries.items() if entry is None],
@@ -164,6 +191,9 @@ def parallelize(
         passes=decide_passes(config),
     )
     state.adjustments.extend(pop_compile_notes(model) + checked.notes)
+    if config.tp_plan == "auto":
+        state.adjustments.extend(auto_plan_notes(model))
+    state.compile_dynamic = _compile_dynamic(config, state)
     if not hash_pinned and mesh.ndim == 2 and config.compile:
         state.adjustments.append(_UNPINNED_MESH)
     state.reduce_scatter_impl, state.reduce_scatter_reason = devices.reduce_scatter_choice(
@@ -182,7 +212,7 @@ def parallelize(
         )
     if config.compile:
         state.adjustments.extend(hf.prepare_for_compile(model))
-        shard_parameters(model, mesh, sharding)
+        shard_parameters(model, mesh, sharding, full_mesh=full_mesh)
         state.local_layout = local_layout(model)
         if _separate_gather_group(config, device_type):
             state.gather_group = build_gather_group(mesh)
@@ -217,6 +247,55 @@ def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
     if config.separate_gather_group is not None:
         return config.separate_gather_group
     return devices.backend_for(device_type) in ("nccl", "hccl")
+
+
+# torch 2.13, 2.14 and 2.15 cannot trace the backward of a tensor-parallel Linear whose input has a
+# symbolic size: AOT autograd recurses without end on a size (``sym_max(s, 1)``) in DTensor's
+# view (docs/tensor-parallel.md has the 15-line reproduction without the plugin; 2.11 traces it).
+_TP_STATIC = (
+    "dynamic: auto -> false under tensor parallelism: torch's DTensor cannot be traced with symbolic sizes "
+    "here (AOT autograd recurses without end in a tensor-parallel Linear's backward), so each new sequence "
+    "length compiles once on its own, up to Dynamo's recompile limit: pad batches to a few lengths "
+    "(docs/tensor-parallel.md)"
+)
+
+
+def _compile_dynamic(config: OverlapConfig, state: OverlapState) -> bool | None:
+    """torch.compile's ``dynamic`` for this model: the config's ("auto" is None), but
+    static under tensor parallelism, where symbolic sizes cannot be traced (``_TP_STATIC``)."""
+    if state.tensor_parallel == 1 or not config.compile:
+        return {"auto": None}.get(config.dynamic, config.dynamic)
+    if config.dynamic is True:
+        raise OverlapConfigError(
+            "dynamic: true compiles every size symbolic, which torch's DTensor cannot trace under tensor "
+            "parallelism (mesh.tensor > 1): AOT autograd recurses without end in a tensor-parallel Linear's "
+            "backward. Use dynamic: auto or false (each sequence length compiles once; pad batches to a few "
+            "lengths), docs/tensor-parallel.md."
+        )
+    if config.dynamic == "auto":
+        state.adjustments.append(_TP_STATIC)
+    return False
+
+
+def _users_tensor_name(model: nn.Module) -> dict[str, str] | None:
+    for _, param in tensor_parallel_parameters(model)[:1]:
+        names = param.device_mesh.mesh_dim_names or ()
+        if len(names) == 1 and names[0] in TENSOR_DIM_NAMES:
+            return {"tensor": names[0]}
+    return None
+
+
+def _check_tensor_size(config: OverlapConfig, tp_mesh: DeviceMesh | None) -> None:
+    """A mesh given with a tensor dimension must agree with ``mesh.tensor`` where the
+    config sets it."""
+    size = tp_mesh.size() if tp_mesh is not None else 1
+    if config.mesh.tensor not in (1, size):
+        raise OverlapConfigError(
+            f"mesh.tensor={config.mesh.tensor} contradicts the mesh passed to parallelize, whose tensor dimension "
+            f"has {size} ranks; they say the same thing, give one of them."
+        )
+    if config.tp_plan and tp_mesh is None:
+        raise OverlapConfigError(NO_TENSOR_DIMENSION)
 
 
 def _on_meta(model: nn.Module) -> bool:

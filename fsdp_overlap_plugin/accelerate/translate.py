@@ -86,9 +86,27 @@ def build_config(
     _apply_activation_checkpointing(job, values, model, model_later)
     try:
         where = (f"{source}: fsdp_config" if source else "fsdp_config") if prefixed else (source or "config")
-        return OverlapConfig.from_dict(values, source=where)
+        config = OverlapConfig.from_dict(values, source=where)
     except OverlapConfigError as exc:
         raise rename_error(exc, source, prefixed) from None
+    _refuse_tensor_parallel(config, job)
+    return config
+
+
+def _refuse_tensor_parallel(config: OverlapConfig, job: _Job) -> None:
+    """Tensor parallelism runs through the core API only, for now: under Accelerate both
+    ranks of a tensor-parallel group would get their own batches from Accelerate's data
+    loader (its split is by data-parallel rank only where it knows the tensor dimension)."""
+    key = "tp_plan" if config.tp_plan else "mesh" if config.mesh.tensor > 1 else None
+    if key is None:
+        return
+    shown = f"fsdp_config.fsdp_overlap_{key}" if job.prefixed else key
+    raise OverlapConfigError(
+        f"{job.at}{shown}: tensor parallelism (mesh.tensor {config.mesh.tensor}"
+        + (", a tp_plan" if config.tp_plan else "")
+        + ") is not available through Accelerate yet, only through fsdp_overlap_plugin.parallelize in your own "
+        "loop (docs/tensor-parallel.md); remove it here."
+    )
 
 
 def _refuse_what_the_plugin_replaces(job: _Job) -> None:

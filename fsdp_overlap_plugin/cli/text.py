@@ -195,6 +195,16 @@ def memory_lines(result: dict[str, Any], config: OverlapConfig) -> list[str]:
             f"memory  {m['world']} ranks (mesh {mesh}): {format_bytes(m['sharded_storage_bytes_per_rank'])} of "
             "parameters per rank (sharded)"
         )
+    if config.mesh.tensor > 1:
+        plan = (
+            f"tp_plan with {len(config.tp_plan)} entries" if config.tp_plan else "the model's own tensor-parallel plan"
+        )
+        out.append(
+            f"tensor  mesh.tensor {config.mesh.tensor}: tensor-parallel groups of {config.mesh.tensor} consecutive "
+            f"ranks ({plan}); the sizes and predictions here count the data-parallel sharding only, every parameter "
+            "whole on each tensor-parallel rank (a split one holds 1/tensor of that), and not the plan's own "
+            "collectives (docs/tensor-parallel.md)"
+        )
     if config.reshard_after_forward:
         window = "-".join(str(i) for i in m["prefetch_peak_buckets"])
         budget = config.max_prefetch_bytes

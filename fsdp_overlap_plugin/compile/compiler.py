@@ -179,7 +179,7 @@ def _no_graph_message() -> str:
 def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:
     """Compile ``model`` in place (``module.compile``: hooks, names and state-dict keys
     stay as they are; no ``_orig_mod`` wrapper)."""
-    dynamic = {"auto": None}.get(state.config.dynamic, state.config.dynamic)  # torch.compile's meaning
+    dynamic = state.compile_dynamic  # torch.compile's meaning (parallelize decided it)
     progress = CompileProgress(state)
     model.compile(backend=overlap_backend(state, progress), fullgraph=state.passes.fullgraph, dynamic=dynamic)
     _install_call_guard(model, state, progress)

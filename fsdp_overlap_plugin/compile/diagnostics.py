@@ -168,7 +168,10 @@ def recompile_limit_message(state: OverlapState) -> str:
     last = _latest_guard_failure(state)
     dynamic = state.config.dynamic
     fix = (
-        "dynamic: true compiles one graph for every size from the first step"
+        "under tensor parallelism every sequence length compiles on its own (docs/tensor-parallel.md): pad "
+        "batches to fewer lengths"
+        if state.tensor_parallel > 1
+        else "dynamic: true compiles one graph for every size from the first step"
         if dynamic != True  # noqa: E712 - the config value, "auto" or a bool
         else "sizes 0 and 1 are always compiled separately, and a guard in the model's code can still fix a size"
     )

@@ -21,7 +21,7 @@ import torch.fx as fx
 from .. import _torch_compat as compat
 from .. import passes
 from ..passes.events import graph_events
-from ..passes.graph import C10D, collective_counts
+from ..passes.graph import C10D, collective_counts, group_name, is_collective
 from ..runtime.records import save_record, summarize_pass
 from ..runtime.state import OverlapState
 from .diagnostics import UnbucketedWarning
@@ -153,9 +153,13 @@ def run_passes(
         "graph": kind,
         "graph_id": state.graph_id,
         "inference": inference,
-        "before": collective_counts(gm.graph),
-        "passes": {},
     }
+    tensor = tensor_groups(gm.graph, state)
+    record["before"] = collective_counts(gm.graph, tensor, exclude=True)
+    record["passes"] = {}
+    if tensor:
+        # the tensor-parallel plan's own collectives, counted apart: the passes leave them as they are
+        record["tensor_parallel"] = {"before": collective_counts(gm.graph, tensor)}
     events_before = graph_events(gm.graph, state.plan)
     state.graph_kind = "forward" if inference else kind
     try:
@@ -179,7 +183,9 @@ def run_passes(
         # caller says no: inductor's post_grad_passes recompiles the graph itself after its
         # custom passes (torch 2.11 to 2.15), and half of this function's time was this
         gm.recompile()
-    record["after"] = collective_counts(gm.graph)
+    record["after"] = collective_counts(gm.graph, tensor, exclude=True)
+    if tensor:
+        record["tensor_parallel"]["after"] = collective_counts(gm.graph, tensor)
     as_all_to_all = (record["passes"].get("all_to_all") or {}).get("rewritten", 0)
     if as_all_to_all:
         # a gradient reduce-scatter run as all-to-all plus a local sum is still counted as
@@ -190,7 +196,10 @@ def run_passes(
         record["after"]["reduce_scatter_as_all_to_all"] = as_all_to_all
     record["nodes"] = len(gm.graph.nodes)
     gm.graph.lint()  # once, after every pass, instead of inside each
-    record["schedule"] = {"before": events_before, "after": graph_events(gm.graph, state.plan)}
+    record["schedule"] = {
+        "before": _on_lanes(events_before, tensor, state.tensor_parallel),
+        "after": _on_lanes(graph_events(gm.graph, state.plan), tensor, state.tensor_parallel),
+    }
     state.records.append(record)
     save_record(state.cache_key(), record, rank=state.rank)
     log.info(
@@ -233,3 +242,37 @@ def _warn_untraced_checkpoints(state: OverlapState, stats: dict) -> None:
             "never ran: nothing is recomputed for them. Check the module names in activation_checkpointing.",
             stacklevel=2,
         )
+
+
+def tensor_groups(graph: fx.Graph, state: OverlapState) -> tuple[str, ...]:
+    """The names, in this graph, of the tensor-parallel group: the model's own
+    (``state.tp_groups``) and any other group of the same ranks. Two meshes over the same
+    ranks are equal to DTensor, so a model prepared after another one in the same process
+    may run its plan's collectives on the first model's groups of those ranks."""
+    if not state.tp_groups:
+        return ()
+    names = set(state.tp_groups)
+    ranks = {_ranks_of_group(name) for name in names} - {None}
+    for node in graph.nodes:
+        if is_collective(node):
+            name = group_name(node)
+            if name not in names and _ranks_of_group(name) in ranks:
+                names.add(name)
+    return tuple(sorted(names, key=str))
+
+
+def _ranks_of_group(name: Any) -> tuple[int, ...] | None:
+    group = compat.resolve_process_group(name) if isinstance(name, str) else None
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _on_lanes(events: list[dict], tensor: tuple[str, ...], size: int) -> list[dict]:
+    """The tensor-parallel plan's collectives on their own lane (the link inside a node,
+    over the tensor-parallel group) for the cost model; the others as recorded."""
+    if not tensor:
+        return events
+    return [dict(ev, lane="tensor", ranks=size) if ev.get("group") in tensor else ev for ev in events]

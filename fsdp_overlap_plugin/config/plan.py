@@ -37,6 +37,7 @@ __all__ = [
     "find_repeated_blocks",
     "gather_bytes",
     "plan_buckets",
+    "resolve_module_names",
     "resolve_plan",
 ]
 
@@ -102,6 +103,12 @@ def _resolve_name(text: str, names: list[str], name_set: set[str], where: str) -
             f"{where}: no module named {text!r} in {_model_label(names)}.{hint or ' Run fsdp-overlap inspect to list them.'}"
         )
     return [text]
+
+
+def resolve_module_names(text: str, names: list[str], *, where: str) -> list[str]:
+    """The module FQNs ``text`` (a name or a pattern) means among ``names``; an error
+    naming ``where`` and the nearest names when it means none."""
+    return _resolve_name(text, names, set(names), where)
 
 
 def _model_label(names: list[str]) -> str:

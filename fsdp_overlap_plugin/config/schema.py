@@ -26,7 +26,9 @@ import torch
 
 from ..contract import AC_POLICIES, OverlapConfigError
 from .keys import check_keys, suggest
+from .mesh import MeshConfig, mesh_from_value
 from .parse import dtype_name, format_bytes, parse_bytes, parse_dtype, read_yaml
+from .tp_plan import check_tp_plan
 
 __all__ = [
     "MeshConfig",
@@ -61,39 +63,6 @@ _ON_COMPILE_ERROR = ("raise", "eager")
 _INDUCTOR_OVERLAP = ("off", "simple", "auto")  # inductor_overlap.SETTINGS (which imports torch's inductor config)
 _ON_UNBUCKETED = ("error", "warn")
 ON_UNINITIALIZED = ("error", "warn")
-
-
-@dataclass
-class MeshConfig:
-    """The data-parallel device mesh: ``replicate`` x ``shard`` ranks."""
-
-    shard: int = -1
-    """Ranks a parameter is sharded over (FSDP group size); -1 means world_size // replicate."""
-
-    replicate: int = 1
-    """Replica groups; > 1 turns on HSDP (shard inside a group, all-reduce across groups)."""
-
-    def sizes(self, world_size: int) -> tuple[int, int]:
-        """``(replicate, shard)`` for this world size; raises if they do not multiply to it."""
-        replicate, shard = self.replicate, self.shard
-        if shard == -1:
-            if world_size % replicate:
-                raise OverlapConfigError(
-                    f"mesh.replicate={replicate} does not divide the world size {world_size}; "
-                    f"valid values: {_divisors(world_size)}."
-                )
-            shard = world_size // replicate
-        if replicate * shard != world_size:
-            raise OverlapConfigError(
-                f"mesh: replicate={replicate} x shard={shard} = {replicate * shard} ranks, "
-                f"but the world size is {world_size}. Set shard: -1 to derive it, or pick "
-                f"sizes whose product is {world_size}."
-            )
-        return replicate, shard
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -175,7 +144,21 @@ class OverlapConfig:
     same buckets and overlap. Each rank may pad its own batches to its own length."""
 
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Data-parallel mesh, {shard: -1, replicate: 1}; replicate > 1 means HSDP."""
+    """Device mesh, {shard: -1, replicate: 1, tensor: 1}; replicate > 1 means HSDP; tensor > 1
+    means tensor parallelism inside each group of tensor consecutive ranks (with a tp_plan or
+    the model's own parallelize_module), FSDP over the other dimensions
+    (docs/tensor-parallel.md)."""
+
+    tp_plan: dict | str | None = None
+    """Tensor-parallel plan, applied over the mesh's tensor dimension before sharding: "auto"
+    (a transformers model's own plan, the colwise and rowwise entries of its _tp_plan: the
+    decoder layers' attention and MLP projections; its embedding and head stay whole), or a
+    mapping of module FQNs or patterns ("layers.*.mlp.up_proj") to a style: "colwise" (a
+    Linear's or Embedding's output features split), "rowwise" (its input features split; the
+    output all-reduced) or "replicate" (left whole on every tensor-parallel rank: data
+    parallel only; modules no entry names are left whole too). null: no plan of ours (the
+    model may have been parallelized by the user's own code). Needs mesh.tensor > 1; only
+    through parallelize for now (docs/tensor-parallel.md)."""
 
     activation_checkpointing: list = field(default_factory=list)
     """Module FQNs or patterns ("layers.*") whose forward is recomputed in backward. A
@@ -309,7 +292,7 @@ class OverlapConfig:
         check_keys(data, [f.name for f in dataclasses.fields(cls)], source=source)
         kwargs = dict(data)
         if "mesh" in kwargs:
-            kwargs["mesh"] = _mesh_from_value(kwargs["mesh"], source)
+            kwargs["mesh"] = mesh_from_value(kwargs["mesh"], source)
         return cls(**kwargs)
 
     @classmethod
@@ -341,7 +324,7 @@ class OverlapConfig:
         check_keys(data, [f.name for f in dataclasses.fields(cls)], source=source)
         merged = dict(data)
         if "mesh" in merged and "mesh" not in overrides:
-            merged["mesh"] = _mesh_from_value(merged["mesh"], source)
+            merged["mesh"] = mesh_from_value(merged["mesh"], source)
         merged.update(overrides)
         return cls.from_dict(merged, source="keyword arguments")
 
@@ -439,8 +422,8 @@ class OverlapConfig:
             )
             if problem:
                 raise OverlapConfigError(problem)
-        self.mesh = _mesh_from_value(self.mesh, "config")
-        for name in ("shard", "replicate"):
+        self.mesh = mesh_from_value(self.mesh, "config")
+        for name in ("shard", "replicate", "tensor"):
             value = getattr(self.mesh, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise OverlapConfigError(f"mesh.{name}: expected an integer, got {value!r}.")
@@ -448,6 +431,9 @@ class OverlapConfig:
             raise OverlapConfigError(f"mesh.replicate: must be >= 1, got {self.mesh.replicate}.")
         if self.mesh.shard == 0 or self.mesh.shard < -1:
             raise OverlapConfigError(f"mesh.shard: must be >= 1, or -1 for 'the rest', got {self.mesh.shard}.")
+        if self.mesh.tensor < 1:
+            raise OverlapConfigError(f"mesh.tensor: must be >= 1, got {self.mesh.tensor}.")
+        self.tp_plan = check_tp_plan(self.tp_plan)
         ac = self.activation_checkpointing
         if ac is None:
             self.activation_checkpointing = []
@@ -524,23 +510,6 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise OverlapConfigError(f"{name}: expected true or false, got {value!r} ({type(value).__name__}).")
-
-
-def _mesh_from_value(value: Any, source: str) -> MeshConfig:
-    if isinstance(value, MeshConfig):
-        return value
-    if value is None:
-        return MeshConfig()
-    if not isinstance(value, dict):
-        raise OverlapConfigError(f"{source}: mesh: expected a mapping like {{shard: -1, replicate: 1}}, got {value!r}.")
-    check_keys(
-        value,
-        [f.name for f in dataclasses.fields(MeshConfig)],
-        source=source,
-        shown=lambda key: f"'mesh.{key}'",
-        tail="Valid keys: mesh.shard, mesh.replicate.",
-    )
-    return MeshConfig(**value)
 
 
 def _check_plans(plans: Any) -> str | list:

@@ -56,6 +56,7 @@ __all__ = [
     "align_autocast_device",
     "build_config",
     "check_mesh_arguments",
+    "LIGHTNING_MESH_NAMES",
     "checked_arguments",
     "config_for_precision",
     "distributed_checkpoint",
@@ -160,6 +161,9 @@ def build_config(config: OverlapConfig | dict | str | None, overrides: dict[str,
         raise OverlapConfigError(f"config: {base_error}") from None
     raise error
 
+
+#: The mesh's dimensions as Lightning's ModelParallelStrategy names them (with tensor parallelism)
+LIGHTNING_MESH_NAMES = {"shard": "data_parallel", "tensor": "tensor_parallel"}
 
 STATE_DICT_TYPES = ("full", "sharded")
 
@@ -299,31 +303,48 @@ class StrategyBase:
 
     _sharding_strategy: Any = None
     _mesh_sizes: Any = None
+    _tensor_parallel_arg: int = 1
+    _data_parallel_arg: Any = "auto"
     #: The config completed when Lightning configured the launcher (``_configure_launcher``).
     _completed: OverlapConfig | None = None
 
     def _precision_flag(self) -> str:
         raise NotImplementedError  # the Trainer's precision plugin, or Fabric's
 
-    def _init_mesh_arguments(self, sharding_strategy: Any, device_mesh: Any) -> None:
+    def _init_mesh_arguments(
+        self, sharding_strategy: Any, device_mesh: Any, tensor_parallel_size: Any = 1, data_parallel_size: Any = "auto"
+    ) -> None:
         """Keep Lightning's mesh spellings (checked now; resolved once the node count is
         known, ``_config_with_mesh``)."""
         try:
-            check_mesh_arguments(self._user_config, sharding_strategy, device_mesh)
+            check_mesh_arguments(
+                self._user_config, sharding_strategy, device_mesh, tensor_parallel_size, data_parallel_size
+            )
         except OverlapConfigError:
             install_excepthook()
             raise
         self._sharding_strategy = sharding_strategy
         self._mesh_sizes = device_mesh
+        self._tensor_parallel_arg = tensor_parallel_size
+        self._data_parallel_arg = data_parallel_size
 
     def _config_with_mesh(self) -> OverlapConfig:
         """The user's config with ``mesh`` set from ``sharding_strategy`` / ``device_mesh``
         and Lightning's ``num_nodes`` / ``devices`` (``resolve_mesh``, whose argument checks
         ran at construction)."""
         devices = len(getattr(self, "parallel_devices", None) or []) or 1
-        return mesh_from_arguments(
-            self._user_config, self._sharding_strategy, self._mesh_sizes, int(getattr(self, "num_nodes", 1)), devices
+        nodes = int(getattr(self, "num_nodes", 1))
+        config = mesh_from_arguments(
+            self._user_config, self._sharding_strategy, self._mesh_sizes, nodes, devices, self._tensor_parallel_arg
         )
+        dp = self._data_parallel_arg
+        if dp != "auto" and dp * config.mesh.tensor != nodes * devices:
+            raise OverlapConfigError(
+                f"data_parallel_size={dp} x tensor_parallel_size={config.mesh.tensor} = {dp * config.mesh.tensor} "
+                f"ranks, but the job has {nodes * devices} (num_nodes={nodes} x devices={devices}); their product "
+                "must be the world size (or leave data_parallel_size='auto')."
+            )
+        return config
 
     def _complete_config(self) -> OverlapConfig:
         """The user's config completed from Lightning's arguments: the mesh, then the dtypes
@@ -377,8 +398,11 @@ class StrategyBase:
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank (also on an HSDP mesh): each reads its own data.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
+        # Every rank is a data-parallel rank (also on an HSDP mesh): each reads its own data;
+        # with tensor parallelism the ranks of one tensor-parallel group (consecutive ranks,
+        # the mesh's innermost dimension) read the same data.
+        tensor = self.overlap_config.mesh.tensor
+        return {"num_replicas": self.world_size // tensor, "rank": self.global_rank // tensor}  # type: ignore[attr-defined]
 
 
 def align_autocast_device(plugin: Any, device: torch.device) -> None:

@@ -44,11 +44,47 @@ def _mesh_given(config: OverlapConfig) -> bool:
     return (config.mesh.replicate, config.mesh.shard) != (MeshConfig().replicate, MeshConfig().shard)
 
 
-def check_mesh_arguments(config: OverlapConfig, sharding_strategy: Any, device_mesh: Any) -> None:
+def _parallel_size(value: Any, key: str, auto: bool) -> int | str:
+    if auto and value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        also = " or 'auto'" if auto else ""
+        raise OverlapConfigError(f"{key}: expected an integer >= 1{also}, got {value!r}.")
+    return value
+
+
+def check_mesh_arguments(
+    config: OverlapConfig,
+    sharding_strategy: Any,
+    device_mesh: Any,
+    tensor_parallel_size: Any = 1,
+    data_parallel_size: Any = "auto",
+) -> None:
     """The pure checks of the mesh spellings, at construction (no node count yet):
-    ``sharding_strategy`` is a known value, ``device_mesh`` a pair of sizes, and the
-    spellings that can be compared without the node count agree (the strategies check once,
-    at construction; ``resolve_mesh`` checks again for a caller that did not)."""
+    ``sharding_strategy`` is a known value, ``device_mesh`` a pair of sizes,
+    ``tensor_parallel_size`` / ``data_parallel_size`` (ModelParallelStrategy's names) sizes,
+    and the spellings that can be compared without the node count agree (the strategies
+    check once, at construction; ``resolve_mesh`` checks again for a caller that did not)."""
+    tp = int(_parallel_size(tensor_parallel_size, "tensor_parallel_size", auto=False))
+    _parallel_size(data_parallel_size, "data_parallel_size", auto=True)
+    tensor = max(tp, config.mesh.tensor)
+    if tp > 1 and config.mesh.tensor not in (1, tp):
+        raise OverlapConfigError(
+            f"tensor_parallel_size={tp} contradicts mesh.tensor={config.mesh.tensor}: they say the same thing, "
+            "pass one of them."
+        )
+    hsdp = (
+        config.mesh.replicate > 1
+        or device_mesh is not None
+        or (sharding_strategy is not None and strategy_name(sharding_strategy) == "HYBRID_SHARD")
+    )
+    if tensor > 1 and hsdp:
+        raise OverlapConfigError(
+            f"tensor_parallel_size / mesh.tensor {tensor} with HSDP (mesh.replicate, device_mesh or "
+            "sharding_strategy='HYBRID_SHARD'): not available through the Lightning strategies yet (their "
+            "device_mesh has Lightning's two dimensions, data_parallel x tensor_parallel); use "
+            "fsdp_overlap_plugin.parallelize in your own loop for replicate x shard x tensor (docs/tensor-parallel.md)."
+        )
     if sharding_strategy is not None:
         name = strategy_name(sharding_strategy)
         if name in _OTHER_STRATEGIES:
@@ -97,10 +133,21 @@ def resolve_mesh(
 
 
 def mesh_from_arguments(
-    config: OverlapConfig, sharding_strategy: Any, device_mesh: Any, num_nodes: int, devices_per_node: int
+    config: OverlapConfig,
+    sharding_strategy: Any,
+    device_mesh: Any,
+    num_nodes: int,
+    devices_per_node: int,
+    tensor_parallel_size: int = 1,
 ) -> OverlapConfig:
     """``resolve_mesh`` for arguments ``check_mesh_arguments`` already passed (the strategies
-    check them at construction): only the checks that need the node count run here."""
+    check them at construction): only the checks that need the node count run here.
+    ``tensor_parallel_size`` > 1 sets ``mesh.tensor``."""
+    if tensor_parallel_size > 1 and config.mesh.tensor == 1:
+        ours = config.mesh
+        config = config.replace(
+            mesh=MeshConfig(shard=ours.shard, replicate=ours.replicate, tensor=tensor_parallel_size)
+        )
     sizes = _mesh_tuple(device_mesh)
     name = strategy_name(sharding_strategy) if sharding_strategy is not None else None
     if sizes is None and name == "HYBRID_SHARD":

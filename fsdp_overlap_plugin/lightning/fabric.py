@@ -39,12 +39,14 @@ from ..core import (
     build_mesh,
     format_report,
     install_excepthook,
+    refuse_tensor_parallel_checkpoint,
     replica_all_reduce_skipped,
     replica_sync_of,
     schedule_report,
 )
 from ._common import (
     CONFIG_FIELDS,
+    LIGHTNING_MESH_NAMES,
     StrategyBase,
     align_autocast_device,
     build_config,
@@ -104,6 +106,8 @@ class FabricStrategyMixin(StrategyBase):
         timeout: timedelta | None = default_pg_timeout,
         sharding_strategy: str | None = None,
         device_mesh: tuple[int, int] | None = None,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int = 1,
         bucket_plans: str | list | None = None,
         bucket_bytes: int | str | None = None,
         manual_bucketing: bool | None = None,
@@ -117,6 +121,7 @@ class FabricStrategyMixin(StrategyBase):
         fullgraph: bool | None = None,
         dynamic: bool | str | None = None,
         mesh: dict | None = None,
+        tp_plan: dict | None = None,
         activation_checkpointing: list | None = None,
         activation_checkpointing_policy: str | None = None,
         separate_gather_group: bool | None = None,
@@ -136,7 +141,7 @@ class FabricStrategyMixin(StrategyBase):
         self._user_config = build_config(config, overrides)
         self._config: OverlapConfig | None = None
         self.schedule_report: dict | None = None
-        self._init_mesh_arguments(sharding_strategy, device_mesh)
+        self._init_mesh_arguments(sharding_strategy, device_mesh, tensor_parallel_size, data_parallel_size)
         self.schedule_metrics: dict[str, float] = {}
         self._parallelized: nn.Module | None = None
         super().__init__(  # type: ignore[call-arg]
@@ -160,7 +165,10 @@ class FabricStrategyMixin(StrategyBase):
         self.accelerator.setup_device(self.root_device)
         self._setup_distributed()  # seed, ranks, process group
         install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
-        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type))
+        # with tensor parallelism, Lightning's names: configure_model reads
+        # self.device_mesh["tensor_parallel"], as under ModelParallelStrategy
+        names = LIGHTNING_MESH_NAMES if config.mesh.tensor > 1 else None
+        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type, names=names))
         warn_if_npu_unused(self.root_device)
 
     # ------------------------------------------------------------------ module
@@ -210,6 +218,8 @@ class FabricStrategyMixin(StrategyBase):
     def save_checkpoint(self, path: Any, state: dict, storage_options: Any = None, filter: Any = None) -> None:
         """Fabric's save, written beside ``path`` and renamed into place once every rank
         has written: a kill mid-save leaves the previous checkpoint of that name, complete."""
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Fabric checkpoint save")
         path = Path(self.broadcast(path))
         with saved_atomically(path, state.get("step")) as partial, no_gathers():
             super().save_checkpoint(partial, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
@@ -218,6 +228,8 @@ class FabricStrategyMixin(StrategyBase):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Fabric checkpoint load")
         path = Path(self.broadcast(path))
         check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():

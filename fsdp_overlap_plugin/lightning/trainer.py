@@ -44,11 +44,13 @@ from ..core import (
     format_report,
     get_state,
     install_excepthook,
+    refuse_tensor_parallel_checkpoint,
     replica_all_reduce_skipped,
     schedule_report,
 )
 from ._common import (
     CONFIG_FIELDS,
+    LIGHTNING_MESH_NAMES,
     StrategyBase,
     align_autocast_device,
     build_config,
@@ -127,6 +129,8 @@ class TrainerStrategyMixin(StrategyBase):
         timeout: timedelta | None = default_pg_timeout,
         sharding_strategy: str | None = None,
         device_mesh: tuple[int, int] | None = None,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int = 1,
         bucket_plans: str | list | None = None,
         bucket_bytes: int | str | None = None,
         manual_bucketing: bool | None = None,
@@ -140,6 +144,7 @@ class TrainerStrategyMixin(StrategyBase):
         fullgraph: bool | None = None,
         dynamic: bool | str | None = None,
         mesh: dict | None = None,
+        tp_plan: dict | None = None,
         activation_checkpointing: list | None = None,
         activation_checkpointing_policy: str | None = None,
         separate_gather_group: bool | None = None,
@@ -159,7 +164,7 @@ class TrainerStrategyMixin(StrategyBase):
         self._user_config = build_config(config, overrides)  # a wrong key fails here, at Trainer(...)
         self._config: OverlapConfig | None = None
         self._module_spec = module
-        self._init_mesh_arguments(sharding_strategy, device_mesh)
+        self._init_mesh_arguments(sharding_strategy, device_mesh, tensor_parallel_size, data_parallel_size)
         self._parallelized: nn.Module | None = None
         self.schedule_report: dict | None = None
         super().__init__(  # type: ignore[call-arg]
@@ -182,7 +187,10 @@ class TrainerStrategyMixin(StrategyBase):
         self._align_precision_device()
         self._setup_distributed()  # device, seed, ranks, process group
         install_excepthook()  # outermost again, over init_process_group's (report/messages.py)
-        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type))
+        # with tensor parallelism, Lightning's names: configure_model reads
+        # self.device_mesh["tensor_parallel"], as under ModelParallelStrategy
+        names = LIGHTNING_MESH_NAMES if config.mesh.tensor > 1 else None
+        set_strategy_device_mesh(self, build_mesh(config, self.root_device.type, names=names))
         # configure_model() may read it, as with ModelParallelStrategy.
         set_module_device_mesh(self.lightning_module, self.device_mesh)
         warn_if_npu_unused(self.root_device)
@@ -280,6 +288,8 @@ class TrainerStrategyMixin(StrategyBase):
         """Lightning's save (a DCP folder and ``meta.pt``, or one full file), written beside
         ``filepath`` and renamed into place once every rank has written: a kill mid-save
         leaves the previous checkpoint of that name, complete."""
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Trainer checkpoint save")
         path = Path(self.broadcast(filepath))
         with saved_atomically(path, checkpoint.get("global_step")) as partial:
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)  # type: ignore[misc]
@@ -295,6 +305,8 @@ class TrainerStrategyMixin(StrategyBase):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._parallelized is not None:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Trainer checkpoint load")
         path = Path(self.broadcast(checkpoint_path))
         check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():

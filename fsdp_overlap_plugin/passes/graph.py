@@ -521,10 +521,16 @@ def graph_kind(graph: fx.Graph) -> str:
     return "forward"
 
 
-def collective_counts(graph: fx.Graph) -> dict[str, int]:
-    """How many of each collective (and waits) a graph holds."""
+def collective_counts(graph: fx.Graph, groups: Any = None, *, exclude: bool = False) -> dict[str, int]:
+    """How many of each collective (and waits) a graph holds; with ``groups`` (process
+    group names), only those on one of them (a wait counts with its collective), or with
+    ``exclude`` only those on none of them."""
     counts: Counter[str] = Counter()
     for node in graph.nodes:
+        if groups is not None:
+            launch = collective_of_wait(node) if is_wait(node) else node if is_collective(node) else None
+            if launch is None or (group_name(launch) in groups) == exclude:
+                continue
         if is_wait(node):
             counts["wait"] += 1
         elif is_all_gather(node):

@@ -81,8 +81,9 @@ def simulate(
     their own engines); ``send_first``: see ``_link_time``. Returns the lanes and the predicted exposed communication (time
     compute spent blocked in waits)."""
     t_compute = 0.0
-    t_lane = {"link": 0.0, "inter": 0.0}
-    speed = {"link": link, "inter": inter_link or link}
+    # "tensor": a tensor-parallel plan's collectives, inside a node, on the shard link's rate
+    t_lane = {"link": 0.0, "inter": 0.0, "tensor": 0.0}
+    speed = {"link": link, "inter": inter_link or link, "tensor": link}
     done: dict[str, float] = {}
     compute, comm, blocked = [], [], []
     exposed = 0.0
@@ -289,8 +290,8 @@ def as_run(events: list[dict], device_type: str | None) -> list[dict]:
 
 def hsdp_lanes(events: list[dict], mesh: list[int]) -> list[dict]:
     """A recorded schedule on the lanes of its mesh: on HSDP (``mesh`` = [replicas, shard],
-    replicas > 1) every all-reduce is the replicas' (the graph all-reduces nothing else)
-    and goes to the ``inter`` lane over ``replicas`` ranks; every other collective to the
+    replicas > 1) every all-reduce not on a lane of its own (a tensor-parallel plan's are on
+    ``tensor``) is the replicas' and goes to the ``inter`` lane over ``replicas`` ranks; every other collective to the
     shard link over ``shard`` ranks; an event's own ``lane`` decides where it has one. A 1-D
     mesh's events come back as they are."""
     if len(mesh) != 2 or mesh[0] <= 1:
@@ -302,7 +303,8 @@ def hsdp_lanes(events: list[dict], mesh: list[int]) -> list[dict]:
             out.append(ev)
         else:
             lane = ev.get("lane") or ("inter" if ev["op"] == "all_reduce" else "link")
-            out.append(dict(ev, lane=lane, ranks=replicas if lane == "inter" else shard))
+            ranks = ev.get("ranks") if lane == "tensor" else replicas if lane == "inter" else shard
+            out.append(dict(ev, lane=lane, ranks=ranks))
     return out
 
 

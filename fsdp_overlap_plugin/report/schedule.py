@@ -73,6 +73,8 @@ def schedule_report(model: nn.Module) -> dict[str, Any]:
         "called": state.called,
         "world_size": state.world_size,
         "mesh": list(state.mesh_shape),
+        # tensor parallelism: the group size (1: none) and the config's plan as applied
+        "tensor_parallel": {"size": state.tensor_parallel, "plan": dict(state.tp_plan)},
         "device_type": state.device_type,
         "backend": backend,
         "passes": {

@@ -181,6 +181,48 @@ def _hsdp_words(mesh: list[int], backward: dict, passes: dict) -> str:
     return words + "each is waited before the next one starts"
 
 
+def tensor_parallel_words(report: dict[str, Any], size: int) -> str:
+    """The tensor-parallel plan's collectives in one line: how many per step and per
+    bucket of the plan, on their own group, left where the plan put them."""
+    parts = []
+    for kind in KINDS:
+        record = report.get(kind) or {}
+        counts = (record.get("tensor_parallel") or {}).get("after") or {}
+        found = [f"{counts[k]} {word}" for k, word in _TP_KINDS if counts.get(k)]
+        if found:
+            parts.append(f"{kind} {', '.join(found)}")
+    per_bucket = sorted(
+        {
+            n
+            for kind in KINDS
+            for n in _tensor_per_bucket((report.get(kind) or {}).get("schedule", {}).get("after") or []).values()
+        }
+    )
+    where = f" ({'/'.join(map(str, per_bucket))} per bucket that has any)" if per_bucket else ""
+    return (
+        f"  tensor parallel: groups of {size} ranks; the plan's collectives: "
+        + ("; ".join(parts) if parts else "none in the graphs")
+        + f"{where}, on the tensor-parallel group, not bucketed and not moved by the passes"
+    )
+
+
+_TP_KINDS = (
+    ("all_reduce", "all-reduces"),
+    ("all_gather", "all-gathers"),
+    ("reduce_scatter", "reduce-scatters"),
+    ("all_to_all", "all-to-alls"),
+    ("other", "other collectives"),
+)
+
+
+def _tensor_per_bucket(events: list[dict]) -> dict:
+    counts: dict = {}
+    for ev in events:
+        if ev.get("lane") == "tensor":
+            counts[ev.get("bucket")] = counts.get(ev.get("bucket"), 0) + 1
+    return counts
+
+
 def headline(report: dict[str, Any]) -> list[str]:
     """The first lines a practitioner reads, in plain words: how the model runs, its
     buckets, the collectives per step before -> after the passes, how much communication
@@ -188,7 +230,11 @@ def headline(report: dict[str, Any]) -> list[str]:
     when compute is short), and the memory prefetching keeps gathered."""
     mode = report["mode"]
     mesh = report.get("mesh") or []
+    tp = (report.get("tensor_parallel") or {}).get("size", 1)
     ranks = f"{report['world_size']} ranks" + (f" ({mesh[0]} replicas of {mesh[1]} shards)" if len(mesh) == 2 else "")
+    if tp > 1:
+        dp = f"{mesh[0]} replicas of {mesh[1]} shards" if len(mesh) == 2 else f"{mesh[-1]} data-parallel"
+        ranks = f"{report['world_size']} ranks ({dp} x {tp} tensor-parallel)"
     on = [name for name, enabled in report["passes"].items() if enabled]
     passes = {2: "both passes on", 1: f"only {on[0] if on else ''} on", 0: "passes off"}[len(on)]
     if mode == "compiled" and on and not report.get("graphs"):
@@ -232,6 +278,8 @@ def headline(report: dict[str, Any]) -> list[str]:
         if record and (record["before"].get("all_reduce") or record["after"].get("all_reduce")):
             parts.append(f"{kind} {_arrow(record, 'all_reduce')} all-reduces")
     lines.append("  collectives per step (before -> after the passes): " + "; ".join(parts))
+    if tp > 1:
+        lines.append(tensor_parallel_words(report, tp))
     if len(mesh) == 2 and mesh[0] > 1 and bwd:
         lines.append(_hsdp_words(mesh, bwd, report["passes"]))
     lines += overlap_lines(report)

@@ -84,6 +84,16 @@ class OverlapState:
     world_size: int
     mesh_shape: tuple[int, ...]
     mesh: Any = None
+    # tensor parallelism (shard/tensor_parallel.py): the group size (1: none), this rank's
+    # tensor-parallel mesh, and the config's tp_plan resolved to module FQNs (empty when the
+    # user's own code split the model)
+    tensor_parallel: int = 1
+    tp_mesh: Any = None
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    tp_groups: tuple[str, ...] = ()  # the tensor-parallel group's name (its collectives are the plan's)
+    # torch.compile's dynamic for this model: the config's, except under tensor parallelism
+    # (parallelize: "auto" compiles every length static there)
+    compile_dynamic: bool | None = None
     gather_group: Any = None
     model_fingerprint: str = ""
     records: list[dict] = field(default_factory=list)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .atomic_checkpoint import METADATA, IncompleteCheckpointError, check_complete, retire, written_atomically
+from .tensor_parallel import refuse_tensor_parallel_checkpoint
 
 __all__ = ["IncompleteCheckpointError", "load_latest", "save"]
 
@@ -67,6 +68,7 @@ def save(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    refuse_tensor_parallel_checkpoint(model, "checkpoint.save")
     directory = Path(directory)
     final = directory / _name(step)
     model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
@@ -93,6 +95,7 @@ def load_latest(directory: str | Path, model: nn.Module, optimizer: Any = None) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    refuse_tensor_parallel_checkpoint(model, "checkpoint.load_latest")
     directory = Path(directory)
     pointer = directory / LATEST
     if not pointer.is_file():

@@ -36,6 +36,7 @@ import torch.nn as nn
 from ..config.schema import OverlapConfigError
 
 __all__ = [
+    "own_tp_plan",
     "checkpointing_layers",
     "disable_own_checkpointing",
     "initialize_weights",
@@ -292,3 +293,19 @@ def save_config(model: nn.Module, directory: Path, dtype: torch.dtype) -> list[s
         generation.save_pretrained(directory)
         written.append("generation_config.json")
     return written
+
+
+# transformers' style names that are ours as they are; the others (embedding_rowwise,
+# colwise_gather_output, sequence_parallel, ...) need activations laid out differently
+# and are left whole by ``tp_plan: auto``
+_OWN_STYLES = ("colwise", "rowwise")
+
+
+def own_tp_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """A transformers model's own tensor-parallel plan (``_tp_plan``: its config's
+    ``base_model_tp_plan`` under the base model's prefix, plus the head's entry):
+    ``(applied, left)``, the colwise / rowwise entries and the others, which stay whole.
+    Empty for a model without a plan."""
+    plan = getattr(model, "_tp_plan", None) or {}
+    applied = {k: v for k, v in plan.items() if v in _OWN_STYLES}
+    return applied, {k: v for k, v in plan.items() if v not in _OWN_STYLES}

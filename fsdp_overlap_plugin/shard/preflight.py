@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from ..config.plan import plan_buckets
-from ..config.schema import OverlapConfig
+from ..config.schema import OverlapConfig, OverlapConfigError
+from ..config.tp_plan import NO_TENSOR_DIMENSION
 from .activation_checkpointing import checkpointed_modules
+from .tensor_parallel import resolve_tp_plan
 
 __all__ = ["Preflight", "preflight"]
 
@@ -33,7 +35,29 @@ class Preflight:
 def preflight(model: nn.Module, config: OverlapConfig, world: int | None = None) -> Preflight:
     """Resolve the plan and the checkpointed modules of ``config`` against ``model``, and the
     mesh for ``world`` ranks; raise ``OverlapConfigError`` naming the key at fault."""
+    _refuse_fully_shard(model)
     plan = plan_buckets(model, config)
+    if config.tp_plan:
+        resolve_tp_plan(model, config.tp_plan)
     checkpointed, notes = checkpointed_modules(model, config)
     mesh = config.mesh.sizes(world) if world is not None else None
+    if world is not None and config.tp_plan and config.mesh.tensor == 1:
+        # the mesh is the config's (fsdp-overlap check); parallelize checks the mesh it runs on
+        raise OverlapConfigError(NO_TENSOR_DIMENSION)
     return Preflight(plan, checkpointed, notes, mesh)
+
+
+def _refuse_fully_shard(model: nn.Module) -> None:
+    """A module torch's ``fully_shard`` already wrapped (a ModelParallelStrategy or
+    torchtitan recipe's ``configure_model`` does both ``parallelize_module`` and
+    ``fully_shard``): the plugin shards the data-parallel dimension itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            where = f"module {name!r}" if name else "the model"
+            raise OverlapConfigError(
+                f"{where} was sharded by torch's fully_shard; fsdp-overlap shards the data-parallel dimension "
+                "itself (compile-visible, with the passes): remove the fully_shard calls (in configure_model, or "
+                "before prepare / parallelize) and keep the rest, a tensor-parallel plan included."
+            )

@@ -33,9 +33,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import compiler_disable, fx_annotate, mesh_cached_hash, set_mesh_cached_hash
+from .._torch_compat import compiler_disable, fx_annotate, mesh_cached_hash, set_mesh_cached_hash, strided_shard
 from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from ..contract import PARAM_KEY
+from .tensor_parallel import TENSOR_DIM_NAME, TENSOR_DIM_NAMES, TensorLayout, check_tensor_mesh, tensor_layout
 
 # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]; None on an older
 # torch, where module paths are the only attribution
@@ -45,6 +46,8 @@ __all__ = [
     "row_range",
     "build_gather_group",
     "build_mesh",
+    "data_parallel_mesh",
+    "tensor_mesh",
     "pin_mesh_hash",
     "fully_shard_plan",
     "gather_disabled",
@@ -135,9 +138,27 @@ class ShardSettings:
     reshard_after_forward: bool = True
 
 
-def build_mesh(config: OverlapConfig | MeshConfig, device_type: str) -> DeviceMesh:
-    """The data-parallel mesh over all ranks of the default group: 1-D ``(shard,)``, or
-    2-D ``(replicate, shard)`` for HSDP. Takes the config or just its ``MeshConfig``."""
+def build_mesh(
+    config: OverlapConfig | MeshConfig | dict, device_type: str | None = None, *, names: dict[str, str] | None = None
+) -> DeviceMesh:
+    """The mesh over all ranks of the default group: 1-D ``(shard,)``, or 2-D
+    ``(replicate, shard)`` for HSDP, with a ``tensor`` dimension innermost when
+    ``mesh.tensor`` > 1 (the ranks of one tensor-parallel group consecutive). Takes the
+    config, its ``MeshConfig`` or the mesh sizes as a dict (``{"tensor": 2}``); the device
+    type defaults to this machine's. ``build_mesh({"tensor": 2})["tensor"]`` is the mesh to
+    give torch's ``parallelize_module`` before ``parallelize(model, mesh=that_mesh)``;
+    ``data_parallel_mesh`` / ``tensor_mesh`` split it. ``names`` renames dimensions for a
+    framework that indexes the mesh its own way (Lightning's ``{"shard": "data_parallel",
+    "tensor": "tensor_parallel"}``); the tensor dimension's name must stay one of
+    ``TENSOR_DIM_NAMES``."""
+    if isinstance(config, dict):
+        from ..config.mesh import mesh_from_value
+
+        config = mesh_from_value(config, "build_mesh")
+    if device_type is None:
+        from ..runtime.devices import detect_device_type
+
+        device_type = detect_device_type()
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fsdp-overlap needs an initialised default process group "
@@ -146,12 +167,57 @@ def build_mesh(config: OverlapConfig | MeshConfig, device_type: str) -> DeviceMe
     world = dist.get_world_size()
     sizes = config if isinstance(config, MeshConfig) else config.mesh
     replicate, shard = sizes.sizes(world)
-    if replicate == 1:
-        mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD_DIM_NAME,))
-    else:
-        mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE_DIM_NAME, SHARD_DIM_NAME))
+    dims = [(REPLICATE_DIM_NAME, replicate)] if replicate > 1 else []
+    dims.append((SHARD_DIM_NAME, shard))
+    if sizes.tensor > 1:
+        dims.append((TENSOR_DIM_NAME, sizes.tensor))
+    dim_names, shape = zip(*dims)
+    if names:
+        dim_names = tuple(names.get(n, n) for n in dim_names)
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
     pin_mesh_hash(mesh)  # before anything hashes it
     return mesh
+
+
+def _tensor_dim(mesh: DeviceMesh) -> str | None:
+    names = [n for n in mesh.mesh_dim_names or () if n in TENSOR_DIM_NAMES]
+    if not names:
+        return None
+    if len(names) > 1 or (mesh.mesh_dim_names or ())[-1] != names[0]:
+        raise OverlapConfigError(
+            f"mesh: expected one tensor-parallel dimension ({' or '.join(TENSOR_DIM_NAMES)}), the innermost; got "
+            f"dimensions {mesh.mesh_dim_names}. Build it as (replicate, shard, tensor), or let the plugin build it "
+            "from the config's mesh sizes."
+        )
+    return names[0]
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` without its tensor dimension (named as in ``TENSOR_DIM_NAMES``, the
+    innermost): the mesh parameters are sharded over (the same object when it has none)."""
+    tensor = _tensor_dim(mesh)
+    if tensor is None:
+        return mesh
+    dp = tuple(n for n in mesh.mesh_dim_names if n != tensor)
+    if not dp:
+        raise OverlapConfigError(
+            f"mesh: only a tensor dimension ({tensor}); add the data-parallel dimension (e.g. "
+            f"init_device_mesh(device, (dp, tp), mesh_dim_names=('shard', '{tensor}')), size 1 for tensor "
+            "parallelism alone)."
+        )
+    sub = mesh[dp[0]] if len(dp) == 1 else mesh[dp]
+    pin_mesh_hash(sub)
+    return sub
+
+
+def tensor_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """``mesh``'s tensor-parallel dimension (this rank's group), or None without one."""
+    tensor = _tensor_dim(mesh)
+    if tensor is None:
+        return None
+    sub = mesh[tensor]
+    pin_mesh_hash(sub)
+    return sub
 
 
 def pin_mesh_hash(mesh: DeviceMesh) -> bool:
@@ -218,9 +284,11 @@ class _Gather:
         self.compiled = False
         self.warned = False
 
-    def __call__(self, param: torch.Tensor, fqn: str | None = None) -> torch.Tensor:
+    def __call__(self, param: torch.Tensor, fqn: str | None = None, tp: TensorLayout | None = None) -> torch.Tensor:
         if not _GATHER_ENABLED or not isinstance(param, DTensor):
             return param
+        if tp is not None:
+            return self._gather_tensor_parallel(param, fqn, tp)
         compiling = torch.compiler.is_compiling()
         if compiling:
             if not _PLUGIN_CALL:
@@ -235,6 +303,28 @@ class _Gather:
             with _annotate({PARAM_KEY: fqn}):
                 return self._gather(param)
         return self._gather(param)
+
+    def _gather_tensor_parallel(self, param: DTensor, fqn: str | None, tp: TensorLayout) -> DTensor:
+        """A tensor-parallel parameter: its local part (this rank's data-parallel shard of
+        its tensor-parallel part) is gathered over the data-parallel mesh alone, like any
+        parameter (annotated, so the passes own that gather and its reduce-scatter), then
+        enters the tensor-parallel mesh with the plan's placement. That last step is outside
+        the annotation: its backward (an all-reduce over the tensor-parallel group where a
+        replicated parameter's gradient is partial there) is the plan's, not the passes'."""
+        dp_part = DTensor.from_local(
+            param.to_local(),
+            self.mesh,
+            _placements(self.mesh, param),
+            run_check=False,
+            shape=tp.local_shape,
+            stride=tp.local_stride,
+        )
+        local = self(dp_part, fqn)
+        if tp.mesh is None:  # left whole by the plan: the module computes with a plain tensor
+            return local
+        return DTensor.from_local(
+            local, tp.mesh, tp.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
 
     def _gather(self, param: DTensor) -> torch.Tensor:
         if self.mesh.ndim == 2 and param.dim() > 0:
@@ -282,7 +372,9 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
     def getter(name: str):
         def get(self: nn.Module) -> torch.Tensor:
-            return self._fsdp_overlap_gather(self._parameters[name], self._fsdp_overlap_fqns[name])
+            return self._fsdp_overlap_gather(
+                self._parameters[name], self._fsdp_overlap_fqns[name], self._fsdp_overlap_tp.get(name)
+            )
 
         return property(get)
 
@@ -312,41 +404,77 @@ def _placements(mesh: DeviceMesh, param: torch.Tensor) -> tuple:
     return (Replicate(), Shard(0))
 
 
-def shard_parameters(model: nn.Module, mesh: DeviceMesh, settings: ShardSettings) -> nn.Module:
+def shard_parameters(
+    model: nn.Module, mesh: DeviceMesh, settings: ShardSettings, *, full_mesh: DeviceMesh | None = None
+) -> nn.Module:
     """Shard every parameter of ``model`` in place and install the traced gathers.
 
     Each rank keeps only its ``Shard(0)`` chunk (``torch.chunk`` semantics, padded
     on the last ranks as FSDP2 does); no data is exchanged, so every rank must start
     from the same values (same seed, or meta-device init followed by
     ``initialize.materialize``).
+
+    ``mesh`` is the data-parallel mesh. With tensor parallelism, ``full_mesh`` is the mesh
+    with the tensor dimension innermost: a parameter a plan already split (a ``DTensor``
+    on the tensor-parallel mesh) keeps its tensor-parallel part, sharded over ``mesh``,
+    and is stored on ``full_mesh`` as FSDP2 stores it (``shard/tensor_parallel.py``).
+    Parameters the plan left whole are sharded over ``mesh`` alone.
     """
     if is_sharded(model):
         raise RuntimeError("this model is already sharded by fsdp-overlap; call parallelize() once.")
+    tp_mesh = tensor_mesh(full_mesh) if full_mesh is not None else None
+    check_tensor_mesh(model, tp_mesh)
     gather = _Gather(mesh, settings.param_dtype, settings.reduce_dtype)
-    replaced: dict[int, nn.Parameter] = {}
+    replaced: dict[int, tuple[nn.Parameter, TensorLayout | None]] = {}
     for prefix, module in list(model.named_modules()):
         names = tuple(name for name, p in module._parameters.items() if p is not None)
         if not names:
             continue
+        layouts: dict[str, TensorLayout] = {}
         for name in names:
             param = module._parameters[name]
-            if isinstance(param, DTensor):
-                raise OverlapConfigError(
-                    f"parameter {type(module).__name__}.{name} is already a DTensor; fsdp-overlap "
-                    "shards plain parameters (tensor parallelism is not supported yet)."
-                )
-            new = replaced.get(id(param))
-            if new is None:
-                data = distribute_tensor(param.detach(), mesh, _placements(mesh, param), src_data_rank=None)
-                new = nn.Parameter(data, requires_grad=param.requires_grad)
-                replaced[id(param)] = new
-            module._parameters[name] = new
+            entry = replaced.get(id(param))
+            if entry is None:
+                if isinstance(param, DTensor) or tp_mesh is not None:
+                    entry = (_shard_tensor_parallel(param, mesh, full_mesh), tensor_layout(param, tp_mesh))
+                else:
+                    data = distribute_tensor(param.detach(), mesh, _placements(mesh, param), src_data_rank=None)
+                    entry = (nn.Parameter(data, requires_grad=param.requires_grad), None)
+                replaced[id(param)] = entry
+            module._parameters[name] = entry[0]
+            if entry[1] is not None:
+                layouts[name] = entry[1]
         module.__class__ = _sharded_class(type(module), names)
         module._fsdp_overlap_gather = gather
+        module._fsdp_overlap_tp = layouts
         # FQNs relative to the sharded root: the names plans use. A tied parameter has one
         # per module that holds it; each read is attributed to the module that read it.
         module._fsdp_overlap_fqns = {name: f"{prefix}.{name}" if prefix else name for name in names}
     return model
+
+
+def _shard_tensor_parallel(param: torch.Tensor, mesh: DeviceMesh, full_mesh: DeviceMesh) -> nn.Parameter:
+    """A parameter of a tensor-parallel model, sharded over the data-parallel ``mesh`` and
+    stored on ``full_mesh`` with FSDP2's placements: a split parameter's data-parallel
+    ``Shard(0)`` of its tensor-parallel part, written ``_StridedShard(0, split_factor=tp)``
+    where the plan splits dim 0 as well (so that ``full_tensor()``, state dicts and DCP read
+    it as FSDP2's); a parameter the plan left whole is ``Replicate()`` on the tensor
+    dimension. Every parameter and gradient then lives on one mesh, as gradient clipping's
+    norm over all of them needs."""
+    split = isinstance(param, DTensor)
+    local = param.to_local().detach() if split else param.detach()
+    dp_local = distribute_tensor(local, mesh, _placements(mesh, local), src_data_rank=None).to_local()
+    (tp_placement,) = param.placements if split else (Replicate(),)
+    dp_placement = Shard(0)
+    if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
+        dp_placement = strided_shard(0, param.device_mesh.size())
+    placements = ((Replicate(),) if mesh.ndim == 2 else ()) + (dp_placement, tp_placement)
+    if local.dim() == 0:
+        placements = tuple(Replicate() for _ in range(mesh.ndim)) + (tp_placement,)
+    data = DTensor.from_local(
+        dp_local, full_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    return nn.Parameter(data, requires_grad=param.requires_grad)
 
 
 def fully_shard_plan(

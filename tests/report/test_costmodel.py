@@ -110,6 +110,25 @@ def test_the_replicas_link_is_a_lane_of_its_own():
     assert sim["total_s"] == pytest.approx(1.0) and sim["exposed_comm_s"] == pytest.approx(0.0)
 
 
+def test_a_tensor_parallel_plans_collectives_are_a_lane_of_their_own():
+    """On HSDP x TP the plan's all-reduces are not the replicas': they keep the lane and the
+    group size the record gave them (the shard link's rate, their own queue)."""
+    rates = {"flops": 1e9, "mem": 1e18, "link": 1e6, "inter_link": 1e5}
+    events = [
+        _launch("rs", "reduce_scatter", 2e6, ranks=2),
+        _launch("tp", "all_reduce", 1e6, ranks=4, lane="tensor"),
+        {"op": "compute", "name": "c", "flops": 1e9},
+        {"op": "wait", "name": "w", "of": "rs"},
+        {"op": "wait", "name": "w2", "of": "tp"},
+    ]
+    on_lanes = cm.hsdp_lanes(events, [2, 2])
+    assert [(e.get("lane"), e.get("ranks")) for e in on_lanes[:2]] == [("link", 2), ("tensor", 4)]
+    sim = cm.simulate(on_lanes, world=8, **rates)
+    # the reduce-scatter takes 1 s on the shard link, the all-reduce 2 * 3/4 * 1 MB at 1 MB/s
+    # = 1.5 s on its own lane (at the shard link's rate), both from 0: 0.5 s exposed
+    assert sim["total_s"] == pytest.approx(1.5) and sim["exposed_comm_s"] == pytest.approx(0.5)
+
+
 def test_contention_slows_compute_only_while_the_link_is_busy():
     rates = {"flops": 1.0, "mem": 1e18, "link": 1.0}
     events = [_launch("ag", "all_gather", 4.0), {"op": "compute", "name": "c", "flops": 3.0}]
