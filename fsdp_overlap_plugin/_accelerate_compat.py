@@ -7,10 +7,13 @@ Each function imports Accelerate when it is called, never when this module is im
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
     "clip_grad_norm",
+    "deferred_parallelism_check",
     "launch_parser_actions",
     "mark_prepared",
     "prepared_models",
@@ -74,3 +77,25 @@ def clip_grad_norm(accelerator: Any, parameters: list, max_norm: float, norm_typ
     if method is None:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
     return method(parameters, max_norm, norm_type=norm_type)
+
+
+@contextlib.contextmanager
+def deferred_parallelism_check() -> Iterator[list]:
+    """Inside it, ``ParallelismConfig._validate_accelerator`` (which ``Accelerator.__init__``
+    calls last) only records its call; the list it yields gets ``(config, accelerator)``
+    to run after. On a CPU-only FSDP launch the state says ``MULTI_CPU`` until adoption
+    sets ``FSDP``, and that check refuses a tensor-parallel ``ParallelismConfig`` on
+    ``MULTI_CPU`` (checked on accelerate 1.15.0)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    calls: list = []
+    original = ParallelismConfig._validate_accelerator
+
+    def record(self: Any, accelerator: Any) -> None:
+        calls.append((self, accelerator))
+
+    ParallelismConfig._validate_accelerator = record
+    try:
+        yield calls
+    finally:
+        ParallelismConfig._validate_accelerator = original

@@ -202,9 +202,12 @@ def prepare(
     on_meta = any(p.is_meta for p in model.parameters())
     if resolved.settings.sync_module_states and not on_meta and dist.get_world_size() > 1:
         _broadcast_from_rank0(model, device)
+    # with a tensor dimension, the mesh's dimensions are named as Accelerate names its own
+    # (accelerator.torch_device_mesh["tp"] is then equal to the plugin's tensor mesh)
+    names = ACCELERATE_MESH_NAMES if cfg.mesh.tensor > 1 else None
     try:
         # the model configure() checked (taken over from torch.compile above): not checked again
-        parallelize(model, cfg, mesh=build_mesh(cfg, device.type), checked=resolved.checked)
+        parallelize(model, cfg, mesh=build_mesh(cfg, device.type, names=names), checked=resolved.checked)
     except OverlapConfigError as exc:
         raise resolved.rename(exc) from None
     if on_meta:
@@ -248,10 +251,11 @@ def check_accelerator(accelerator: Any) -> None:
             "Use distributed_type: FSDP (see configs/overlap.yaml)."
         )
     parallelism = getattr(accelerator, "parallelism_config", None)
-    if parallelism is not None and (
-        getattr(parallelism, "tp_enabled", False) or getattr(parallelism, "cp_enabled", False)
-    ):
-        raise RuntimeError("fsdp-overlap shards over data-parallel ranks only; remove tp/cp from parallelism_config.")
+    if parallelism is not None and getattr(parallelism, "cp_enabled", False):
+        raise RuntimeError(
+            "fsdp-overlap does not split sequences; remove cp_size from parallelism_config (valid: dp_replicate_size, "
+            "dp_shard_size, tp_size)."
+        )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes != launched:
         raise RuntimeError(
@@ -273,14 +277,28 @@ def _ensure_process_group(device: torch.device) -> None:
     dist.init_process_group(devices.backend_for(device.type), store=dist.HashStore(), rank=0, world_size=1)
 
 
+#: Accelerate's names for the dimensions of its ``torch_device_mesh`` (``ParallelismConfig``).
+ACCELERATE_MESH_NAMES = {"replicate": "dp_replicate", "shard": "dp_shard", "tensor": "tp"}
+
+
 @torch.no_grad()
 def _broadcast_from_rank0(model: nn.Module, device: torch.device) -> None:
     """Accelerate's ``fsdp_sync_module_states``: every rank starts from rank 0's weights
-    (each rank keeps only its shard of them, so they must agree)."""
+    (each rank keeps only its shard of them, so they must agree). A parameter the user
+    already split over tensor-parallel ranks (a ``DTensor``) is broadcast whole and each
+    rank keeps its own part of rank 0's tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     if device.type != "cpu":
         model.to(device)
     for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, src=0)
+        if isinstance(tensor, DTensor):
+            full = tensor.full_tensor()
+            dist.broadcast(full, src=0)
+            mine = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.to_local().copy_(mine.to_local())
+        else:
+            dist.broadcast(tensor.data, src=0)
 
 
 def _switch_optimizer_params(optimizers: list, old_names: dict[int, str], model: nn.Module) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._accelerate_compat import clip_grad_norm, set_fsdp_distributed_type
+from .._accelerate_compat import clip_grad_norm, deferred_parallelism_check, set_fsdp_distributed_type
 from ..config.schema import OverlapConfigError
 from ..core import get_state, is_sharded, say
 from .config import fsdp_launch
@@ -88,9 +88,16 @@ class Accelerator:
     reports: "raised in Accelerator.prepare")."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _ORIGINALS["__init__"](self, *args, **kwargs)
-        if fsdp_launch():
-            _adopt(self)
+        if not fsdp_launch():
+            _ORIGINALS["__init__"](self, *args, **kwargs)
+            return
+        # Accelerate checks its ParallelismConfig against the distributed type last; on a
+        # CPU-only launch that is MULTI_CPU until adoption makes it FSDP, as on a GPU
+        with deferred_parallelism_check() as checks:
+            _ORIGINALS["__init__"](self, *args, **kwargs)
+        _adopt(self)
+        for config, accelerator in checks:
+            config._validate_accelerator(accelerator)
 
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
         if not is_adopted(self):

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core import check_complete, full_state_dict, gather_disabled, retire, written_atomically
+from ..core import (
+    check_complete,
+    full_state_dict,
+    gather_disabled,
+    refuse_tensor_parallel_checkpoint,
+    retire,
+    written_atomically,
+)
 
 __all__ = ["install_checkpointing", "install_get_state_dict"]
 
@@ -109,6 +116,7 @@ def install_get_state_dict(accelerator: Any, model: nn.Module) -> None:
 
         def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict:
             if any(model is m for m in ours):
+                refuse_tensor_parallel_checkpoint(model, "accelerator.get_state_dict")
                 return full_state_dict(model)
             return library(model, unwrap=unwrap)
 
@@ -184,6 +192,7 @@ def _install_atomic_state(accelerator: Any) -> None:
 
     @functools.wraps(save)
     def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> str:
+        _refuse_tensor_parallel(accelerator, "accelerator.save_state")
         config = accelerator.project_configuration
         automatic = config.automatic_checkpoint_naming
         final = _save_target(accelerator, output_dir)
@@ -202,6 +211,7 @@ def _install_atomic_state(accelerator: Any) -> None:
 
     @functools.wraps(load)
     def load_state(input_dir: Any = None, *args: Any, **kwargs: Any) -> Any:
+        _refuse_tensor_parallel(accelerator, "accelerator.load_state")
         if input_dir is None and accelerator.project_configuration.automatic_checkpoint_naming:
             input_dir = _newest_numbered(Path(accelerator.project_dir) / _CHECKPOINTS)
         if input_dir is not None:
@@ -210,6 +220,15 @@ def _install_atomic_state(accelerator: Any) -> None:
 
     save_state._atomic = True  # type: ignore[attr-defined]
     accelerator.save_state, accelerator.load_state = save_state, load_state
+
+
+def _refuse_tensor_parallel(accelerator: Any, what: str) -> None:
+    """A tensor-parallel model's checkpoints are not tested yet: ``what`` stops, on every
+    rank, before anything is written or read."""
+    from .._accelerate_compat import prepared_models
+
+    for model in prepared_models(accelerator):
+        refuse_tensor_parallel_checkpoint(model, what)
 
 
 def _save_target(accelerator: Any, output_dir: Any) -> Path:

@@ -37,6 +37,9 @@ class AccelerateSettings:
     """``parallelism_config``'s ``dp_replicate_size`` (with ``dp_shard``); None when it
     has none or both sizes are 1."""
     dp_shard: int | None = None
+    tensor: int | None = None
+    """``parallelism_config``'s ``tp_size`` where it is above 1 (the tensor-parallel group
+    size: ``mesh.tensor``); None otherwise."""
     machines: int = 1
     """Machines of the launch: ``$WORLD_SIZE / $LOCAL_WORLD_SIZE`` (torchrun exports both),
     else the file's ``num_machines``, else 1."""
@@ -107,21 +110,25 @@ def _size(value: Any, key: str) -> int:
 
 
 def _parallelism(s: AccelerateSettings, accelerator: Any, env: Mapping[str, str], yaml_values: dict, yaml_where: str):
-    """``parallelism_config``'s data-parallel sizes, from the Accelerator, else what the
-    launcher exported, else the file. Tensor/context/sequence parallel sizes above 1 are
-    an error (the plugin shards over data-parallel ranks only)."""
-    keys = ("parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size")
-    others = ("tp", "cp", "sp")
+    """``parallelism_config``'s data-parallel and tensor-parallel sizes, from the
+    Accelerator, else what the launcher exported, else the file. Context/sequence parallel
+    sizes above 1 are an error (the plugin does not split sequences)."""
+    keys = ("parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size")
+    others = ("cp", "sp")
     live = getattr(accelerator, "parallelism_config", None) if accelerator is not None else None
     if live is not None:
-        sizes = {"dp_replicate": live.dp_replicate_size, "dp_shard": live.dp_shard_size}
+        sizes = {"dp_replicate": live.dp_replicate_size, "dp_shard": live.dp_shard_size, "tp": live.tp_size}
         sizes.update({k: getattr(live, f"{k}_size", 1) for k in others})
         where = "parallelism_config of the Accelerator"
     elif env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
-        sizes = {k: env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1") for k in ("dp_replicate", "dp_shard", *others)}
+        sizes = {
+            k: env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1") for k in ("dp_replicate", "dp_shard", "tp", *others)
+        }
         where = "as accelerate launch passed it ($PARALLELISM_CONFIG_*)"
-    elif any(f"parallelism_config_{k}_size" in yaml_values for k in ("dp_replicate", "dp_shard", *others)):
-        sizes = {k: yaml_values.get(f"parallelism_config_{k}_size", 1) for k in ("dp_replicate", "dp_shard", *others)}
+    elif any(f"parallelism_config_{k}_size" in yaml_values for k in ("dp_replicate", "dp_shard", "tp", *others)):
+        sizes = {
+            k: yaml_values.get(f"parallelism_config_{k}_size", 1) for k in ("dp_replicate", "dp_shard", "tp", *others)
+        }
         where = f"parallelism_config in {yaml_where}"
     else:
         return
@@ -130,10 +137,13 @@ def _parallelism(s: AccelerateSettings, accelerator: Any, env: Mapping[str, str]
     if extra:
         raise OverlapConfigError(
             f"parallelism_config.parallelism_config_{extra[0]}_size is {sizes[extra[0]]} ({where}); fsdp-overlap "
-            f"shards over data-parallel ranks only: set it to 1 (valid: {', '.join(keys)})."
+            f"does not split sequences: set it to 1 (valid: {', '.join(keys)})."
         )
+    if sizes["tp"] > 1:
+        s.tensor = sizes["tp"]
+        s.where["tensor"] = f"parallelism_config_tp_size={s.tensor} ({where})"
     if (sizes["dp_replicate"], sizes["dp_shard"]) == (1, 1):
-        return  # no sizes set: nothing asked of the mesh
+        return  # no data-parallel sizes set: nothing asked of the data-parallel mesh
     s.dp_replicate, s.dp_shard = sizes["dp_replicate"], sizes["dp_shard"]
     s.where["parallelism"] = (
         f"parallelism_config_dp_replicate_size={s.dp_replicate}, parallelism_config_dp_shard_size={s.dp_shard} "

@@ -83,30 +83,51 @@ def build_config(
     _apply_mixed_precision(job, values)
     _apply_reshard_after_forward(job, values)
     _apply_mesh(job, values)
+    _apply_tensor_parallel(job, values)
     _apply_activation_checkpointing(job, values, model, model_later)
     try:
         where = (f"{source}: fsdp_config" if source else "fsdp_config") if prefixed else (source or "config")
         config = OverlapConfig.from_dict(values, source=where)
     except OverlapConfigError as exc:
         raise rename_error(exc, source, prefixed) from None
-    _refuse_tensor_parallel(config, job)
     return config
 
 
-def _refuse_tensor_parallel(config: OverlapConfig, job: _Job) -> None:
-    """Tensor parallelism runs through the core API only, for now: under Accelerate both
-    ranks of a tensor-parallel group would get their own batches from Accelerate's data
-    loader (its split is by data-parallel rank only where it knows the tensor dimension)."""
-    key = "tp_plan" if config.tp_plan else "mesh" if config.mesh.tensor > 1 else None
-    if key is None:
+def _apply_tensor_parallel(job: _Job, values: dict[str, Any]) -> None:
+    """``parallelism_config_tp_size`` -> ``mesh.tensor``. Under Accelerate the tensor
+    dimension is Accelerate's to say: its data loader gives the ranks of one
+    tensor-parallel group the same batches only where its ``ParallelismConfig`` has the
+    ``tp`` dimension, so ``mesh.tensor`` alone (or a ``tp_plan`` without either) is an
+    error that names the key to set, and the two spellings must agree."""
+    theirs = job.settings.tensor
+    try:
+        ours = OverlapConfig.from_dict({"mesh": values.get("mesh")}).mesh.tensor
+    except OverlapConfigError as exc:
+        raise rename_error(exc, job.source, job.prefixed) from None
+    if theirs is None:
+        if ours > 1:
+            raise OverlapConfigError(
+                f"{job.at}{job.key('mesh')}: tensor is {ours}, but Accelerate's parallelism_config has no tp_size; "
+                f"set parallelism_config_tp_size: {ours} (or ParallelismConfig(tp_size={ours}, ...)): Accelerate's "
+                "data loader gives the ranks of one tensor-parallel group the same batches only when it knows the "
+                f"tensor dimension. {job.key('mesh')}.tensor may then be left out."
+            )
+        if values.get("tp_plan"):
+            raise OverlapConfigError(
+                f"{job.at}{job.key('tp_plan')} splits modules over tensor-parallel ranks, but Accelerate's "
+                "parallelism_config has no tp_size: set parallelism_config_tp_size (the tensor-parallel group size, "
+                "e.g. 2) or remove the tp_plan."
+            )
         return
-    shown = f"fsdp_config.fsdp_overlap_{key}" if job.prefixed else key
-    raise OverlapConfigError(
-        f"{job.at}{shown}: tensor parallelism (mesh.tensor {config.mesh.tensor}"
-        + (", a tp_plan" if config.tp_plan else "")
-        + ") is not available through Accelerate yet, only through fsdp_overlap_plugin.parallelize in your own "
-        "loop (docs/tensor-parallel.md); remove it here."
-    )
+    if ours not in (1, theirs):
+        raise job.conflict(
+            "mesh",
+            {"tensor": ours},
+            job.where("tensor"),
+            f"Remove {job.key('mesh')}.tensor (parallelism_config_tp_size decides) or make it say the same.",
+        )
+    mesh = values.get("mesh")
+    values["mesh"] = {**(mesh if isinstance(mesh, dict) else {}), "tensor": theirs}
 
 
 def _refuse_what_the_plugin_replaces(job: _Job) -> None:
@@ -221,7 +242,10 @@ def _apply_mesh(job: _Job, values: dict[str, Any]) -> None:
                 theirs_where,
                 f"Remove {job.key('mesh')} (Accelerate's key decides) or make it say the same.",
             )
+    tensor = (values.get("mesh") or {}).get("tensor") if isinstance(values.get("mesh"), dict) else None
     values["mesh"] = {"replicate": theirs_mesh[0], "shard": theirs_mesh[1]}
+    if tensor is not None:
+        values["mesh"]["tensor"] = tensor  # _apply_tensor_parallel compares it with Accelerate's tp_size
 
 
 def _apply_activation_checkpointing(job: _Job, values: dict[str, Any], model: Any, model_later: bool) -> None:

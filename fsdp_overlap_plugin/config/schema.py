@@ -157,8 +157,8 @@ class OverlapConfig:
     Linear's or Embedding's output features split), "rowwise" (its input features split; the
     output all-reduced) or "replicate" (left whole on every tensor-parallel rank: data
     parallel only; modules no entry names are left whole too). null: no plan of ours (the
-    model may have been parallelized by the user's own code). Needs mesh.tensor > 1; only
-    through parallelize for now (docs/tensor-parallel.md)."""
+    model may have been parallelized by the user's own code). Needs mesh.tensor > 1 (under
+    Accelerate: parallelism_config_tp_size; docs/tensor-parallel.md)."""
 
     activation_checkpointing: list = field(default_factory=list)
     """Module FQNs or patterns ("layers.*") whose forward is recomputed in backward. A

@@ -136,9 +136,9 @@ def test_parallelism_config_sets_the_mesh(tmp_path):
             r"fsdp_reshard_after_forward: 'HYBRID_SHARD' is a sharding strategy.*fsdp_sharding_strategy: HYBRID_SHARD",
         ),
         (
-            {"parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_tp_size": 2}},
+            {"parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_cp_size": 2}},
             {},
-            r"parallelism_config_tp_size is 2 .*data-parallel ranks only",
+            r"parallelism_config_cp_size is 2 .*does not split sequences.*valid: .*parallelism_config_tp_size",
         ),
         (
             {"parallelism_config": {"dp_replicate_size": 2}},
@@ -170,6 +170,125 @@ def test_the_accelerators_parallelism_config_decides(tmp_path):
 
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "4"}
     assert _mesh(load_config(Accelerator(), _yaml(tmp_path), environ=env).config) == (2, 2)
+
+
+def _sizes(config: OverlapConfig) -> tuple[int, int, int]:
+    return config.mesh.replicate, config.mesh.shard, config.mesh.tensor
+
+
+PLAN = {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+
+
+@pytest.mark.parametrize(
+    "top, fsdp, env, live, expected",
+    [
+        # the YAML's section, as `fsdp-overlap check` reads it
+        (
+            {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2}},
+            {},
+            {},
+            None,
+            (1, 2, 2),
+        ),
+        # what accelerate launch exported wins over the file
+        (
+            {"parallelism_config": {"parallelism_config_tp_size": 4}},
+            {},
+            {
+                "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+                "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+                "PARALLELISM_CONFIG_TP_SIZE": "2",
+            },
+            None,
+            (1, 2, 2),
+        ),
+        # the live ParallelismConfig wins over both; HSDP x TP
+        (
+            {},
+            {},
+            {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "4"},
+            (2, 2, 2),
+            (2, 2, 2),
+        ),
+        # the plugin's own mesh.tensor agreeing with Accelerate's
+        (
+            {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2}},
+            {"fsdp_overlap_mesh": {"tensor": 2}},
+            {},
+            None,
+            (1, 2, 2),
+        ),
+    ],
+)
+def test_accelerates_tp_size_is_the_tensor_dimension(tmp_path, top, fsdp, env, live, expected):
+    accelerator = None
+    if live is not None:
+
+        class Parallelism:
+            dp_replicate_size, dp_shard_size, tp_size = live
+            cp_size = sp_size = 1
+
+        class Accelerator:
+            parallelism_config = Parallelism()
+            mixed_precision = "no"
+            state = None
+
+        accelerator = Accelerator()
+    path = _yaml(tmp_path, top, fsdp_overlap_tp_plan=PLAN, **fsdp)
+    assert _sizes(load_config(accelerator, path, environ=env).config) == expected
+
+
+@pytest.mark.parametrize(
+    "top, fsdp, message",
+    [
+        (
+            {},
+            {"fsdp_overlap_mesh": {"tensor": 2}, "fsdp_overlap_tp_plan": PLAN},
+            r"fsdp_overlap_mesh: tensor is 2, but Accelerate's parallelism_config has no tp_size; set "
+            r"parallelism_config_tp_size: 2",
+        ),
+        ({}, {"fsdp_overlap_tp_plan": PLAN}, r"fsdp_overlap_tp_plan splits modules .* set parallelism_config_tp_size"),
+        (
+            {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 4}},
+            {"fsdp_overlap_mesh": {"tensor": 2}, "fsdp_overlap_tp_plan": PLAN},
+            r"fsdp_overlap_mesh is \{'tensor': 2\} but Accelerate's parallelism_config_tp_size=4 \(parallelism_config "
+            r"in .*\); the two must agree",
+        ),
+    ],
+)
+def test_accelerate_tensor_parallel_errors_name_both_keys(tmp_path, top, fsdp, message):
+    with pytest.raises(OverlapConfigError, match=message):
+        load_config(None, _yaml(tmp_path, top, **fsdp), environ={})
+
+
+def test_transformers_trainer_under_tensor_parallel_is_refused_before_a_step():
+    """The adopted Trainer's ``train`` (wrapped by accelerate/trainer.install) stops when the
+    accelerator's ParallelismConfig has a tensor dimension; without one it runs."""
+    from fsdp_overlap_plugin.accelerate.adopt import ADOPTED_ATTR
+    from fsdp_overlap_plugin.accelerate.trainer import _refusing_tensor_parallel
+
+    class Parallelism:
+        tp_enabled, tp_size = True, 2
+
+    class Accelerator:
+        parallelism_config = Parallelism()
+
+    class Trainer:
+        accelerator = Accelerator()
+
+    setattr(Trainer.accelerator, ADOPTED_ATTR, True)
+    train = _refusing_tensor_parallel(lambda self: "trained")
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"transformers' Trainer with tensor parallelism \(parallelism_config "
+        r"tp_size 2\) is not supported .*accelerator.prepare",
+    ):
+        train(Trainer())
+    Parallelism.tp_enabled = False
+    assert train(Trainer()) == "trained"
+    setattr(Trainer.accelerator, ADOPTED_ATTR, False)
+    Parallelism.tp_enabled = True
+    assert train(Trainer()) == "trained"  # not adopted: Accelerate's own TP, untouched
 
 
 # ------------------------------------------------------------------------- Lightning
