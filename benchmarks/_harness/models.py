@@ -149,6 +149,26 @@ def llama3_8b_config(layers: int, seq: int):
     return config
 
 
+# Llama 3.1 70B's layer shapes and vocabulary in transformers' names (predict_2d.py's model)
+LLAMA3_70B = {
+    **LLAMA3_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+
+def llama3_70b_config(layers: int, seq: int):
+    """Llama 3.1 70B's ``LlamaConfig`` (80 layers in the model; ``layers`` of them here),
+    positions up to ``max(seq, 8192)``, sdpa attention."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max(seq, 8192), **LLAMA3_70B)
+    config._attn_implementation = "sdpa"
+    return config
+
+
 def build_llama(config: Any, *, device: Any = None, seed: int | None = None, direct: bool = False):
     """The transformers Llama of ``config`` (``llama_config``), randomly initialised: as
     the plugin builds one from a config (``shard.hf.model_from_config``: the class the

@@ -37,6 +37,7 @@ __all__ = [
     "report_rates",
     "resolve_rates",
     "simulate",
+    "tensor_buckets",
 ]
 
 # A bucket number is written on a communication bar wider than 1/60 of the time axis:
@@ -69,6 +70,7 @@ def simulate(
     latency: float = 0.0,
     contention: float = 0.0,
     send_first: float = 1.0,
+    tensor_link: float | None = None,
 ) -> dict:
     """Play a schedule on a machine with one compute lane and a link per kind of group:
     compute runs items in order; each link runs its collectives in issue order (an event's
@@ -78,14 +80,17 @@ def simulate(
     bytes/s; a wait blocks compute until its collective is done. ``contention``: how much
     slower compute runs while a link is busy (0.25: a quarter slower), for hosts where the
     transport takes the compute's cores (gloo on a CPU; 0 on a GPU, whose collectives run on
-    their own engines); ``send_first``: see ``_link_time``. Returns the lanes and the predicted exposed communication (time
-    compute spent blocked in waits)."""
+    their own engines); ``send_first``: see ``_link_time``; ``tensor_link``: the rate of the
+    lane "tensor" (a tensor-parallel group's collectives, inside a node; ``None``: ``link``).
+    Returns the lanes (``lane_s``: each link's busy seconds) and the predicted exposed
+    communication (time compute spent blocked in waits)."""
     t_compute = 0.0
-    # "tensor": a tensor-parallel plan's collectives, inside a node, on the shard link's rate
+    # "tensor": a tensor-parallel plan's collectives, inside a node, on their own queue
     t_lane = {"link": 0.0, "inter": 0.0, "tensor": 0.0}
-    speed = {"link": link, "inter": inter_link or link, "tensor": link}
+    speed = {"link": link, "inter": inter_link or link, "tensor": tensor_link or link}
     done: dict[str, float] = {}
     compute, comm, blocked = [], [], []
+    lane_s = dict.fromkeys(t_lane, 0.0)
     exposed = 0.0
     for ev in events:
         op = ev["op"]
@@ -108,6 +113,7 @@ def simulate(
             start = max(t_compute, t_lane[lane])
             dur = _link_time(op, ev.get("bytes", 0), ev.get("ranks") or world, speed[lane], latency, send_first)
             comm.append((start, start + dur, op, ev.get("bucket")))
+            lane_s[lane] += dur
             t_lane[lane] = start + dur
             done[ev["name"]] = t_lane[lane]
     total = max([t_compute] + [end for end in done.values()])
@@ -116,6 +122,7 @@ def simulate(
         "total_s": total,
         "exposed_comm_s": exposed,
         "comm_s": busy,
+        "lane_s": lane_s,
         "compute_s": sum(b - a for a, b, _ in compute),
         "compute": compute,
         "comm": comm,
@@ -125,6 +132,23 @@ def simulate(
 
 SCHEDULES = ("passes", "no-passes", "fsdp2")
 
+# What a tensor-parallel rank holds of a bucket: a 1/tensor slice of each weight, so of
+# the bytes its shard group gathers and reduces, and of its matmuls' FLOPs
+_TENSOR_SPLIT = ("gather_bytes", "reduce_bytes", "flops_forward", "flops_backward", "recompute_flops")
+
+
+def tensor_buckets(buckets: list[dict], tensor: int) -> list[dict]:
+    """The buckets as one rank of a ``tensor``-rank tensor-parallel group sees them: each
+    weight split over the group (colwise/rowwise), so the bytes its FSDP collectives move and
+    its FLOPs are 1/``tensor`` of the whole bucket's; a bucket with ``"tensor_split":
+    False`` (left whole on every rank of the group, as ``tp_plan: auto`` leaves the
+    embedding and the head) keeps them all. New dicts; the input is not changed."""
+    out = []
+    for b in buckets:
+        split = tensor if b.get("tensor_split", True) else 1
+        out.append({**b, **{k: b[k] / split for k in _TENSOR_SPLIT if k in b}})
+    return out
+
 
 def plan_schedule(
     buckets: list[dict],
@@ -133,6 +157,8 @@ def plan_schedule(
     depth: int = 1,
     shard: int,
     replicas: int = 1,
+    tensor: int = 1,
+    tp_overlap: bool = False,
 ) -> dict[str, list[dict]]:
     """A step's schedule built from a bucket plan instead of a traced graph: what
     ``check``, ``inspect``, ``suggest`` and the scale predictions play with ``simulate``.
@@ -149,38 +175,62 @@ def plan_schedule(
     the passes: one collective per parameter, each waited right away); "fsdp2" (torch's
     ``fully_shard``, eager or compiled per block, on a GPU: one gather per bucket prefetched
     one ahead on its own stream, reduce-scatters and replica all-reduces on theirs, waited
-    at the end)."""
+    at the end).
+
+    ``tensor`` > 1: 2-D, each shard group's rank one of a tensor-parallel group of
+    ``tensor`` ranks (``tensor_buckets``: its bytes and FLOPs are 1/``tensor`` of a bucket's,
+    and a bucket's ``tp_forward`` / ``tp_backward`` collectives run on the lane "tensor"
+    between equal pieces of its compute, each waited before the next piece: the matmul after
+    it needs its result). ``tp_overlap``: async TP, each runs beside the piece of compute
+    next to it and is waited after that piece (what inductor's micro-pipelined TP hides at
+    best). ``tensor`` 1 gives the 1-D schedule, whatever the buckets carry."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: valid: {', '.join(SCHEDULES)}")
+    tp = tensor > 1
+    if tp:
+        buckets = tensor_buckets(buckets, tensor)
     fwd: list[dict] = []
     bwd: list[dict] = []
     counter = iter(range(10**9))
 
     def launch(events: list[dict], op: str, nbytes: float, bucket: int, lane: str = "link") -> str:
         name = f"{op}_{next(counter)}"
-        ranks = replicas if lane == "inter" else shard
+        ranks = replicas if lane == "inter" else tensor if lane == "tensor" else shard
         events.append({"op": op, "name": name, "bucket": bucket, "bytes": nbytes, "ranks": ranks, "lane": lane})
         return name
 
     def wait(events: list[dict], of: str, bucket: int) -> None:
         events.append({"op": "wait", "name": f"wait_{of}", "of": of, "bucket": bucket})
 
-    def compute(events: list[dict], flops: float, bucket: int) -> None:
+    def work(events: list[dict], flops: float, bucket: int) -> None:
         events.append({"op": "compute", "name": f"compute_{bucket}", "bucket": bucket, "flops": flops, "bytes": 0})
+
+    def compute(events: list[dict], flops: float, bucket: int, collectives=()) -> None:
+        if not (tp and collectives):
+            work(events, flops, bucket)
+            return
+        for op, nbytes in collectives:
+            if tp_overlap:  # launched beside the matmul it feeds (or drains), waited after it
+                name = launch(events, op, nbytes, bucket, "tensor")
+                work(events, flops / len(collectives), bucket)
+            else:  # the next matmul needs its result: compute stops until it is done
+                work(events, flops / len(collectives), bucket)
+                name = launch(events, op, nbytes, bucket, "tensor")
+            wait(events, name, bucket)
 
     if schedule == "no-passes":
         for i, b in enumerate(buckets):
             n = max(1, int(b.get("collectives", 1)))
             for _ in range(n):
                 wait(fwd, launch(fwd, "all_gather", b["gather_bytes"] / n, i), i)
-            compute(fwd, b["flops_forward"], i)
+            compute(fwd, b["flops_forward"], i, b.get("tp_forward", ()))
         for i in reversed(range(len(buckets))):
             b = buckets[i]
             n = max(1, int(b.get("collectives", 1)))
             if b.get("regather", True):
                 for _ in range(n):
                     wait(bwd, launch(bwd, "all_gather", b["gather_bytes"] / n, i), i)
-            compute(bwd, b["flops_backward"], i)
+            compute(bwd, b["flops_backward"], i, b.get("tp_backward", ()))
             for _ in range(n):
                 rs = launch(bwd, "reduce_scatter", b["reduce_bytes"] / n, i)
                 wait(bwd, rs, i)
@@ -190,7 +240,7 @@ def plan_schedule(
 
     ahead = 1 if schedule == "fsdp2" else max(1, depth)
 
-    def gathered(events: list[dict], order: list[int], flops_key: str, after) -> None:
+    def gathered(events: list[dict], order: list[int], flops_key: str, after, tp_key: str) -> None:
         pending: dict[int, str] = {}
         for i in order[:ahead]:
             pending[i] = launch(events, "all_gather", buckets[i]["gather_bytes"], i)
@@ -199,10 +249,10 @@ def plan_schedule(
                 j = order[k + ahead]
                 pending[j] = launch(events, "all_gather", buckets[j]["gather_bytes"], j)
             wait(events, pending.pop(i), i)
-            compute(events, buckets[i][flops_key], i)
+            compute(events, buckets[i][flops_key], i, buckets[i].get(tp_key, ()))
             after(i)
 
-    gathered(fwd, list(range(len(buckets))), "flops_forward", lambda i: None)
+    gathered(fwd, list(range(len(buckets))), "flops_forward", lambda i: None, "tp_forward")
     order = list(reversed(range(len(buckets))))
     regathered = [i for i in order if buckets[i].get("regather", True)]
     scatters: list[tuple[int, str]] = []
@@ -246,7 +296,7 @@ def plan_schedule(
                 j = regathered[k + ahead]
                 pending[j] = launch(bwd, "all_gather", buckets[j]["gather_bytes"], j)
             wait(bwd, pending.pop(i), i)
-        compute(bwd, buckets[i]["flops_backward"], i)
+        compute(bwd, buckets[i]["flops_backward"], i, buckets[i].get("tp_backward", ()))
         after_backward(i)
     if replica_passes:
         replica_step(last=True)
@@ -264,17 +314,24 @@ def predict_step(
     shard: int,
     replicas: int = 1,
     extra_compute_s: float = 0.0,
+    tensor: int = 1,
+    tp_overlap: bool = False,
 ) -> dict:
     """Predicted seconds of one training step from a bucket plan (``plan_schedule``
     played by ``simulate``): ``{"step_s", "forward", "backward", "compute_s", "comm_s",
-    "exposed_comm_s"}``; ``extra_compute_s`` (the optimizer step, say) is added as
-    compute that hides nothing."""
-    graphs = plan_schedule(buckets, schedule=schedule, depth=depth, shard=shard, replicas=replicas)
+    "exposed_comm_s", "tensor_comm_s"}``; ``extra_compute_s`` (the optimizer step, say) is
+    added as compute that hides nothing. ``tensor`` / ``tp_overlap``: see ``plan_schedule``;
+    ``tensor_comm_s`` is the tensor-parallel collectives' share of ``comm_s`` (their lane's
+    rate: ``rates["tensor_link"]``, else ``rates["link"]``)."""
+    graphs = plan_schedule(
+        buckets, schedule=schedule, depth=depth, shard=shard, replicas=replicas, tensor=tensor, tp_overlap=tp_overlap
+    )
     out: dict = {}
     for kind, events in graphs.items():
         sim = simulate(events, world=shard, **rates)
         out[kind] = {k: sim[k] for k in ("total_s", "exposed_comm_s", "comm_s", "compute_s")}
-    for key in ("compute_s", "comm_s", "exposed_comm_s"):
+        out[kind]["tensor_comm_s"] = sim["lane_s"]["tensor"]
+    for key in ("compute_s", "comm_s", "exposed_comm_s", "tensor_comm_s"):
         out[key] = sum(out[k][key] for k in graphs)
     out["step_s"] = sum(out[k]["total_s"] for k in graphs) + extra_compute_s
     return out

@@ -288,3 +288,81 @@ def test_the_report_plays_hsdp_all_reduces_on_the_link_between_replicas():
     assert hsdp_slow - hsdp_fast == pytest.approx(2 * 4e6 * 0.5 * (1 / 1e8 - 1 / 1e10), rel=1e-6)
     flat = predicted(report([4]), slow)["backward"]["after"]["comm_s"]
     assert flat == predicted(report([4]), fast)["backward"]["after"]["comm_s"]
+
+
+def _tp_buckets(n=3):
+    """``_buckets`` with a decoder layer's tensor-parallel collectives: 2 all-reduces of a 1 MB
+    activation forward, 4 backward (the 2 of the backward and the 2 a full recompute repeats)."""
+    out = _buckets(n)
+    for b in out:
+        b["tp_forward"] = [("all_reduce", 1e6)] * 2
+        b["tp_backward"] = [("all_reduce", 1e6)] * 4
+    return out
+
+
+def test_tensor_one_is_the_1d_schedule_whatever_the_buckets_carry():
+    """Issue 59: the 2-D arguments change nothing at tensor 1: the same events, the same step."""
+    rates = {"flops": 1e12, "mem": 1e18, "link": 1e9, "inter_link": 1e8, "latency": 1e-5}
+    for schedule in cm.SCHEDULES:
+        for replicas in (1, 4):
+            one_d = cm.plan_schedule(_buckets(3), schedule=schedule, depth=2, shard=8, replicas=replicas)
+            for overlap in (False, True):
+                two_d = cm.plan_schedule(
+                    _tp_buckets(3), schedule=schedule, depth=2, shard=8, replicas=replicas, tensor=1, tp_overlap=overlap
+                )
+                assert two_d == one_d
+            base = cm.predict_step(_buckets(3), rates, schedule=schedule, shard=8, replicas=replicas)
+            same = cm.predict_step(_tp_buckets(3), rates, schedule=schedule, shard=8, replicas=replicas, tensor=1)
+            assert same == base and base["tensor_comm_s"] == 0.0
+
+
+def test_tensor_parallel_splits_each_bucket_and_puts_its_collectives_on_the_tensor_lane():
+    graphs = cm.plan_schedule(_tp_buckets(3), schedule="passes", shard=8, tensor=4)
+    fwd, bwd = graphs["forward"], graphs["backward"]
+    # one rank of 4 gathers and reduces a quarter of each bucket, over its 8-rank shard group
+    gathers = [e for e in fwd if e["op"] == "all_gather"]
+    assert [(e["bytes"], e["ranks"], e["lane"]) for e in gathers] == [(2e6, 8, "link")] * 3
+    assert {e["bytes"] for e in bwd if e["op"] == "reduce_scatter"} == {4e6}
+    # and a quarter of its FLOPs, in as many pieces as it has tensor-parallel collectives
+    for events, pieces, flops in ((fwd, 2, 1e9), (bwd, 4, 2e9)):
+        tensor = [e for e in events if e.get("lane") == "tensor"]
+        assert len(tensor) == pieces * 3
+        assert all((e["op"], e["bytes"], e["ranks"]) == ("all_reduce", 1e6, 4) for e in tensor)
+        for bucket in range(3):
+            work = [e["flops"] for e in events if e["op"] == "compute" and e["bucket"] == bucket]
+            assert work == [pytest.approx(flops / 4 / pieces)] * pieces
+        # blocking: each launched right after the compute that makes its input, waited at once
+        for ev in tensor:
+            k = events.index(ev)
+            assert events[k - 1]["op"] == "compute" and events[k + 1] == {
+                "op": "wait",
+                "name": f"wait_{ev['name']}",
+                "of": ev["name"],
+                "bucket": ev["bucket"],
+            }
+    # async TP: launched before the piece of compute it runs beside, waited after it
+    fwd = cm.plan_schedule(_tp_buckets(3), schedule="fsdp2", shard=8, tensor=4, tp_overlap=True)["forward"]
+    for ev in (e for e in fwd if e.get("lane") == "tensor"):
+        k = fwd.index(ev)
+        assert fwd[k + 1]["op"] == "compute" and fwd[k + 2]["of"] == ev["name"]
+    # a bucket left whole on every rank of the group keeps its bytes and FLOPs
+    whole = cm.tensor_buckets([dict(_buckets(1)[0], tensor_split=False)] + _buckets(1), 4)
+    assert [(b["gather_bytes"], b["flops_forward"]) for b in whole] == [(8e6, 1e9), (2e6, 2.5e8)]
+
+
+def test_tensor_parallel_collectives_cost_their_own_link_and_block_compute_unless_async():
+    """One bucket, 2 ranks of tensor parallelism, hand-computed: its forward's 4e9 FLOPs per
+    rank in 2 pieces of 1 s each, each followed by an all-reduce of 1 MB over 2 ranks on the
+    tensor lane at 2 MB/s (2 x 1/2 x 1 MB: 0.5 s); the gathers, on the shard link, are free."""
+    bucket = {"gather_bytes": 0.0, "reduce_bytes": 0.0, "flops_forward": 8e9, "flops_backward": 0.0}
+    bucket["tp_forward"] = [("all_reduce", 1e6)] * 2
+    rates = {"flops": 2e9, "mem": 1e18, "link": 1e9, "tensor_link": 2e6}
+    blocking = cm.predict_step([dict(bucket, regather=False)], rates, shard=4, tensor=2)
+    assert blocking["forward"]["total_s"] == pytest.approx(2 * (1.0 + 0.5))
+    assert blocking["exposed_comm_s"] == pytest.approx(1.0) and blocking["tensor_comm_s"] == pytest.approx(1.0)
+    assert blocking["compute_s"] == pytest.approx(2.0)
+    overlapped = cm.predict_step([dict(bucket, regather=False)], rates, shard=4, tensor=2, tp_overlap=True)
+    assert overlapped["forward"]["total_s"] == pytest.approx(2.0) and overlapped["exposed_comm_s"] == 0.0
+    # without its own rate the tensor lane runs at the shard link's: 1 GB/s, 1 ms each
+    shared = cm.predict_step([dict(bucket, regather=False)], dict(rates, tensor_link=None), shard=4, tensor=2)
+    assert shared["tensor_comm_s"] == pytest.approx(2 * 1e-3)
