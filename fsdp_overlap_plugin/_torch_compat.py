@@ -342,6 +342,16 @@ def set_mesh_cached_hash(mesh: Any, value: int) -> None:
     mesh._hash = value
 
 
+def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of a ``DTensor``'s local part and its offset in the global tensor, for any
+    placements (``_StridedShard`` and a ``Shard`` per mesh dimension included):
+    ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, the function
+    torch.distributed.checkpoint describes shards with (the same signature on 2.11-2.15)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+
+
 def strided_shard(dim: int, split_factor: int) -> Any:
     """FSDP2's data-parallel placement of a parameter that tensor parallelism splits on the
     same dim (``torch.distributed.tensor.placement_types._StridedShard``): the data-parallel

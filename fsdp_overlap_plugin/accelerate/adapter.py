@@ -202,12 +202,9 @@ def prepare(
     on_meta = any(p.is_meta for p in model.parameters())
     if resolved.settings.sync_module_states and not on_meta and dist.get_world_size() > 1:
         _broadcast_from_rank0(model, device)
-    # with a tensor dimension, the mesh's dimensions are named as Accelerate names its own
-    # (accelerator.torch_device_mesh["tp"] is then equal to the plugin's tensor mesh)
-    names = ACCELERATE_MESH_NAMES if cfg.mesh.tensor > 1 else None
     try:
         # the model configure() checked (taken over from torch.compile above): not checked again
-        parallelize(model, cfg, mesh=build_mesh(cfg, device.type, names=names), checked=resolved.checked)
+        parallelize(model, cfg, mesh=_mesh_for(accelerator, cfg, device), checked=resolved.checked)
     except OverlapConfigError as exc:
         raise resolved.rename(exc) from None
     if on_meta:
@@ -277,8 +274,24 @@ def _ensure_process_group(device: torch.device) -> None:
     dist.init_process_group(devices.backend_for(device.type), store=dist.HashStore(), rank=0, world_size=1)
 
 
-#: Accelerate's names for the dimensions of its ``torch_device_mesh`` (``ParallelismConfig``).
-ACCELERATE_MESH_NAMES = {"replicate": "dp_replicate", "shard": "dp_shard", "tensor": "tp"}
+def _mesh_for(accelerator: Any, cfg: OverlapConfig, device: torch.device) -> Any:
+    """The mesh the model is sharded on. With a tensor dimension it is Accelerate's own
+    ``torch_device_mesh`` (its data-parallel dimensions and ``tp``, innermost), the mesh a
+    user's ``parallelize_module(..., accelerator.torch_device_mesh["tp"], ...)`` splits over
+    and every model of the job shares: a second mesh of the same ranks would compare equal
+    to it with process groups of its own, and two ranks of a tensor-parallel group could
+    then run one all-reduce on different groups, which hangs (found at dp 2 x tp 2: about
+    one launch in two hung in its first backward)."""
+    mesh = getattr(accelerator, "torch_device_mesh", None) if cfg.mesh.tensor > 1 else None
+    if mesh is None:
+        return build_mesh(cfg, device.type)
+    dims = tuple(n for n in mesh.mesh_dim_names or () if n in ("dp_replicate", "dp_shard", "tp"))
+    if dims != tuple(mesh.mesh_dim_names or ()) or dims[-1:] != ("tp",):
+        raise RuntimeError(
+            f"fsdp-overlap: Accelerate's device mesh has dimensions {mesh.mesh_dim_names}; with tensor parallelism "
+            "the plugin shards over its dp_replicate / dp_shard dimensions with tp innermost (no cp or sp)."
+        )
+    return mesh
 
 
 @torch.no_grad()

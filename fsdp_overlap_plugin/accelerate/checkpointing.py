@@ -116,7 +116,6 @@ def install_get_state_dict(accelerator: Any, model: nn.Module) -> None:
 
         def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict:
             if any(model is m for m in ours):
-                refuse_tensor_parallel_checkpoint(model, "accelerator.get_state_dict")
                 return full_state_dict(model)
             return library(model, unwrap=unwrap)
 
@@ -223,12 +222,22 @@ def _install_atomic_state(accelerator: Any) -> None:
 
 
 def _refuse_tensor_parallel(accelerator: Any, what: str) -> None:
-    """A tensor-parallel model's checkpoints are not tested yet: ``what`` stops, on every
-    rank, before anything is written or read."""
+    """A tensor-parallel model's ``save_state`` / ``load_state`` is tested under FSDP with
+    ``fsdp_state_dict_type: SHARDED_STATE_DICT`` (torch.distributed.checkpoint, what
+    configs/overlap.yaml sets); the other layouts stop, on every rank, before anything is
+    written or read."""
+    from accelerate.utils import DistributedType
+
     from .._accelerate_compat import prepared_models
 
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    kind = str(getattr(getattr(plugin, "state_dict_type", None), "name", getattr(plugin, "state_dict_type", "")))
+    if accelerator.distributed_type == DistributedType.FSDP and kind.endswith("SHARDED_STATE_DICT"):
+        return
     for model in prepared_models(accelerator):
-        refuse_tensor_parallel_checkpoint(model, what)
+        refuse_tensor_parallel_checkpoint(
+            model, f"{what} (fsdp_state_dict_type {kind or 'none'}, distributed_type {accelerator.distributed_type})"
+        )
 
 
 def _save_target(accelerator: Any, output_dir: Any) -> Path:

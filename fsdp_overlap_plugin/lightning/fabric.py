@@ -144,11 +144,13 @@ class FabricStrategyMixin(StrategyBase):
         self._init_mesh_arguments(sharding_strategy, device_mesh, tensor_parallel_size, data_parallel_size)
         self.schedule_metrics: dict[str, float] = {}
         self._parallelized: nn.Module | None = None
+        # a tensor-parallel model's sharded checkpoints are tested; its full ones not yet
+        self._sharded_checkpoints = distributed_checkpoint(save_distributed_checkpoint, state_dict_type)
         super().__init__(  # type: ignore[call-arg]
             parallelize_fn=self._parallelize,
             data_parallel_size="auto",
             tensor_parallel_size=1,
-            save_distributed_checkpoint=distributed_checkpoint(save_distributed_checkpoint, state_dict_type),
+            save_distributed_checkpoint=self._sharded_checkpoints,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
@@ -218,8 +220,8 @@ class FabricStrategyMixin(StrategyBase):
     def save_checkpoint(self, path: Any, state: dict, storage_options: Any = None, filter: Any = None) -> None:
         """Fabric's save, written beside ``path`` and renamed into place once every rank
         has written: a kill mid-save leaves the previous checkpoint of that name, complete."""
-        if self._parallelized is not None:
-            refuse_tensor_parallel_checkpoint(self._parallelized, "Fabric checkpoint save")
+        if self._parallelized is not None and not self._sharded_checkpoints:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Fabric checkpoint save (state_dict_type='full')")
         path = Path(self.broadcast(path))
         with saved_atomically(path, state.get("step")) as partial, no_gathers():
             super().save_checkpoint(partial, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
@@ -228,9 +230,9 @@ class FabricStrategyMixin(StrategyBase):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if self._parallelized is not None:
-            refuse_tensor_parallel_checkpoint(self._parallelized, "Fabric checkpoint load")
         path = Path(self.broadcast(path))
+        if self._parallelized is not None and not path.is_dir():  # a full checkpoint file: not tested yet
+            refuse_tensor_parallel_checkpoint(self._parallelized, f"Fabric checkpoint load of the full file {path}")
         check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]

@@ -166,11 +166,13 @@ class TrainerStrategyMixin(StrategyBase):
         self._module_spec = module
         self._init_mesh_arguments(sharding_strategy, device_mesh, tensor_parallel_size, data_parallel_size)
         self._parallelized: nn.Module | None = None
+        # a tensor-parallel model's sharded checkpoints are tested; its full ones not yet
+        self._sharded_checkpoints = distributed_checkpoint(save_distributed_checkpoint, state_dict_type)
         self.schedule_report: dict | None = None
         super().__init__(  # type: ignore[call-arg]
             data_parallel_size="auto",
             tensor_parallel_size=1,
-            save_distributed_checkpoint=distributed_checkpoint(save_distributed_checkpoint, state_dict_type),
+            save_distributed_checkpoint=self._sharded_checkpoints,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
@@ -288,8 +290,8 @@ class TrainerStrategyMixin(StrategyBase):
         """Lightning's save (a DCP folder and ``meta.pt``, or one full file), written beside
         ``filepath`` and renamed into place once every rank has written: a kill mid-save
         leaves the previous checkpoint of that name, complete."""
-        if self._parallelized is not None:
-            refuse_tensor_parallel_checkpoint(self._parallelized, "Trainer checkpoint save")
+        if self._parallelized is not None and not self._sharded_checkpoints:
+            refuse_tensor_parallel_checkpoint(self._parallelized, "Trainer checkpoint save (state_dict_type='full')")
         path = Path(self.broadcast(filepath))
         with saved_atomically(path, checkpoint.get("global_step")) as partial:
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)  # type: ignore[misc]
@@ -305,9 +307,9 @@ class TrainerStrategyMixin(StrategyBase):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if self._parallelized is not None:
-            refuse_tensor_parallel_checkpoint(self._parallelized, "Trainer checkpoint load")
         path = Path(self.broadcast(checkpoint_path))
+        if self._parallelized is not None and not path.is_dir():  # a full checkpoint file: not tested yet
+            refuse_tensor_parallel_checkpoint(self._parallelized, f"Trainer checkpoint load of the full file {path}")
         check_loadable(path)  # an incomplete folder is named, with the newest complete one beside it
         with no_gathers():
             return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .atomic_checkpoint import METADATA, IncompleteCheckpointError, check_complete, retire, written_atomically
-from .tensor_parallel import refuse_tensor_parallel_checkpoint
+from .sharding import gather_disabled
 
 __all__ = ["IncompleteCheckpointError", "load_latest", "save"]
 
@@ -68,10 +68,10 @@ def save(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    refuse_tensor_parallel_checkpoint(model, "checkpoint.save")
     directory = Path(directory)
     final = directory / _name(step)
-    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    with gather_disabled():  # torch's helper looks each parameter up by name: read the shards
+        model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     state = {"model": model_state, "optim": optim_state, "meta": {"step": step, "extra": json.dumps(extra or {})}}
     with written_atomically(final, step=step) as partial:
         dcp.save(state, checkpoint_id=str(partial))  # ends with every rank's files written
@@ -95,21 +95,22 @@ def load_latest(directory: str | Path, model: nn.Module, optimizer: Any = None) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    refuse_tensor_parallel_checkpoint(model, "checkpoint.load_latest")
     directory = Path(directory)
     pointer = directory / LATEST
     if not pointer.is_file():
         return None
     path = directory / pointer.read_text().strip()
     check_complete(path, required=(METADATA,))
-    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    with gather_disabled():
+        model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     state = {"model": model_state, "optim": optim_state, "meta": {"step": 0, "extra": ""}}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(
-        model,
-        _optimizers(optimizer),
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"] if optimizer is not None else {},
-    )
+    with gather_disabled():
+        set_state_dict(
+            model,
+            _optimizers(optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"] if optimizer is not None else {},
+        )
     meta = state["meta"]
     return int(meta["step"]), json.loads(meta["extra"] or "{}")

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config.schema import ON_UNINITIALIZED, OverlapConfigError
 from . import hf
-from .sharding import gather_disabled, row_range
+from .sharding import gather_disabled, local_box
 
 __all__ = ["UninitializedWarning", "check_finite", "materialize", "slots"]
 
@@ -207,10 +207,10 @@ def _zero_padding_rows(model: nn.Module) -> None:
         weight = module._parameters.get("weight")
         if not isinstance(weight, DTensor):
             continue
-        start, stop = row_range(weight)
+        rows = local_box(weight)[0]
         row = module.padding_idx % weight.shape[0]
-        if start <= row < stop:
-            weight.to_local()[row - start].zero_()
+        if rows.start <= row < rows.stop:
+            weight.to_local()[row - rows.start].zero_()
 
 
 @contextlib.contextmanager

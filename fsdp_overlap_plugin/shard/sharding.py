@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +32,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import compiler_disable, fx_annotate, mesh_cached_hash, set_mesh_cached_hash, strided_shard
+from .._torch_compat import (
+    compiler_disable,
+    fx_annotate,
+    local_shape_and_offset,
+    mesh_cached_hash,
+    set_mesh_cached_hash,
+    strided_shard,
+)
 from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from ..contract import PARAM_KEY
 from .tensor_parallel import TENSOR_DIM_NAME, TENSOR_DIM_NAMES, TensorLayout, check_tensor_mesh, tensor_layout
@@ -43,7 +49,7 @@ from .tensor_parallel import TENSOR_DIM_NAME, TENSOR_DIM_NAMES, TensorLayout, ch
 _annotate = fx_annotate()
 
 __all__ = [
-    "row_range",
+    "local_box",
     "build_gather_group",
     "build_mesh",
     "data_parallel_mesh",
@@ -550,19 +556,18 @@ def _groups_sharing_parameters(model: nn.Module, plan: list[list[str]]) -> list[
     return out
 
 
-def row_range(tensor: DTensor) -> tuple[int, int]:
-    """This rank's rows ``[start, stop)`` of dim 0: ``Shard(0)`` splits them with
-    ``torch.chunk`` semantics over its mesh dimension (replicas read the same rows)."""
-    shards = [(dim, p) for dim, p in enumerate(tensor.placements) if isinstance(p, Shard)]
-    if not shards:
-        return 0, tensor.shape[0] if tensor.dim() else 1
-    if len(shards) > 1 or shards[0][1].dim != 0:
+def local_box(tensor: DTensor) -> tuple[slice, ...]:
+    """The part of the global tensor this rank holds, one slice per dimension: ``Shard(0)``
+    rows of a 1-D or HSDP mesh, and on a mesh with a tensor dimension the rows of a
+    tensor-parallel part (``_StridedShard``) or a block of rows and columns (``Shard(0)``
+    over the data-parallel ranks, ``Shard(1)`` over the tensor-parallel ones), as
+    torch.distributed.checkpoint describes them. Raises where the local part is not one
+    such block."""
+    shape, offset = local_shape_and_offset(tensor)
+    if tuple(shape) != tuple(tensor.to_local().shape):
         raise OverlapConfigError(
-            f"a parameter placed as {tensor.placements}; only Shard(0) layouts (FSDP2's and this "
-            "plugin's) are supported."
+            f"a parameter placed as {tensor.placements} holds a local part of shape {list(tensor.to_local().shape)}, "
+            f"not one block of the global tensor ({list(shape)} at {list(offset)}); supported: Shard(0) over the "
+            "data-parallel ranks, with Shard(d) or Replicate() over the tensor-parallel ones."
         )
-    mesh_dim = shards[0][0]
-    rows = tensor.shape[0]
-    chunk = math.ceil(rows / tensor.device_mesh.size(mesh_dim))
-    start = min(tensor.device_mesh.get_local_rank(mesh_dim) * chunk, rows)
-    return start, start + tensor.to_local().shape[0]
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))

@@ -201,9 +201,10 @@ def tensor_layout(param: torch.Tensor, tp_mesh: DeviceMesh | None = None) -> Ten
 
 
 def refuse_tensor_parallel_checkpoint(model: nn.Module, what: str) -> None:
-    """Checkpoints of a tensor-parallel model are not tested yet (issue 59's next step):
-    ``what`` (a save or a load) stops with that said, instead of writing or reading state
-    nobody has checked."""
+    """A checkpoint path not yet tested with a tensor-parallel model: ``what`` (a save or a
+    load) stops with that said, instead of writing or reading state nobody has checked.
+    ``shard/checkpoint.py``'s ``save`` / ``load_latest`` and ``save_pretrained`` /
+    ``load_pretrained`` are tested at 2-D and do not call it."""
     on_tensor = [
         (name, param)
         for name, param in model.named_parameters()
@@ -216,7 +217,8 @@ def refuse_tensor_parallel_checkpoint(model: nn.Module, what: str) -> None:
         f"{split[0]} is split over the mesh's tensor dimension" if split else f"{on_tensor[0][0]} is on a tensor mesh"
     )
     raise OverlapConfigError(
-        f"{what}: the model is tensor-parallel ({which}); its checkpoints are not supported yet "
-        "(docs/tensor-parallel.md). Train without saving, or save the plain state_dict() yourself (every rank, "
-        "torch.distributed.checkpoint) at your own risk."
+        f"{what}: the model is tensor-parallel ({which}); this way of saving or loading is not supported for "
+        "it yet. Tested at 2-D: fsdp_overlap_plugin.shard.checkpoint.save / load_latest (sharded, resumable, "
+        "loads at other layouts) and fsdp_overlap_plugin.save_pretrained / load_pretrained "
+        "(docs/tensor-parallel.md#checkpoints)."
     )

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from ..config.schema import OverlapConfigError
 from . import hf
 from .initialize import check_finite, slots
-from .sharding import row_range
+from .sharding import local_box
 
 __all__ = ["load_pretrained"]
 
@@ -177,7 +177,8 @@ def _renamer(model: nn.Module, targets: dict[str, torch.Tensor]):
 
 def _copy_rows(source, key: str, name: str, tensor: torch.Tensor) -> None:
     """Copy the part of the checkpoint tensor ``source`` (a safetensors slice) that this
-    rank holds into ``tensor`` (a DTensor: its local shard; else the whole tensor)."""
+    rank holds into ``tensor`` (a DTensor: its local block, ``sharding.local_box``; else the
+    whole tensor)."""
     shape = tuple(source.get_shape())
     if shape != tuple(tensor.shape):
         raise OverlapConfigError(
@@ -189,8 +190,7 @@ def _copy_rows(source, key: str, name: str, tensor: torch.Tensor) -> None:
             tensor.copy_(source[:] if shape else source[...])
             return
         local = tensor.to_local()
-        start, stop = row_range(tensor)
+        box = local_box(tensor)
         if local.numel() == 0:
             return
-        rows = source[start:stop] if shape else source[...]
-        local.copy_(rows)
+        local.copy_(source[box] if shape else source[...])

@@ -265,18 +265,18 @@ def _core_loaded(rank: int, world: int, family: str, folder: str, data: list) ->
     fo.parallelize(model, {"backend": "aot_eager"})
     fo.materialize(model, "cpu")
     reads = []  # (rows read, rows in the tensor) per sharded tensor loaded
-    original = weights.row_range
+    original = weights.local_box
 
     def recording(tensor):
-        start, stop = original(tensor)
-        reads.append((start, stop, tensor.shape[0]))
-        return start, stop
+        box = original(tensor)
+        reads.append((box[0].start, box[0].stop, tensor.shape[0]))
+        return box
 
-    weights.row_range = recording
+    weights.local_box = recording
     try:
         info = fo.load_pretrained(model, folder)
     finally:
-        weights.row_range = original
+        weights.local_box = original
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     return {
         "losses": _train(model, rank, world, data),

@@ -471,11 +471,18 @@ def test_auto_on_a_model_without_a_plan_says_to_write_one(world4):
         fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan="auto")
 
 
-def test_checkpoints_of_a_tensor_parallel_model_are_refused_until_tested(world4, tmp_path):
-    from fsdp_overlap_plugin.shard import checkpoint
+def test_untested_checkpoint_paths_refuse_a_tensor_parallel_model_and_name_the_tested_ones(world4):
+    """The Lightning and Accelerate saves call this before writing (their integration tests
+    see it raise on every rank); a data-parallel-only model passes."""
+    from fsdp_overlap_plugin.shard.tensor_parallel import refuse_tensor_parallel_checkpoint
 
     model = fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN)
-    for call in (lambda: checkpoint.save(tmp_path, model, step=1), lambda: checkpoint.load_latest(tmp_path, model)):
-        with pytest.raises(OverlapConfigError, match=r"the model is tensor-parallel \(blocks.0.mlp.fc.weight is split"):
-            call()
-    assert not any(tmp_path.iterdir())  # nothing written
+    with pytest.raises(
+        OverlapConfigError,
+        match=r"Trainer checkpoint save: the model is tensor-parallel \(blocks.0.mlp.fc.weight is split .*"
+        r"Tested at 2-D: fsdp_overlap_plugin.shard.checkpoint.save / load_latest .*\.save_pretrained / load_pretrained",
+    ):
+        refuse_tensor_parallel_checkpoint(model, "Trainer checkpoint save")
+    refuse_tensor_parallel_checkpoint(
+        fo.parallelize(_gpt(), backend="aot_eager", mesh={"shard": 2, "replicate": 2}), "x"
+    )

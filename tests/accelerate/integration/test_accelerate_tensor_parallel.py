@@ -11,8 +11,8 @@ Each model trains like one process on what Accelerate's data loader gave the
 data-parallel ranks (the two ranks of a tensor-parallel group get the same batches, the
 data-parallel ranks different ones): losses and final weights within 1e-5. Every rank
 starts from its own seed, so the match also shows ``fsdp_sync_module_states`` spread rank
-0's weights, split parameters included. ``save_state`` of a tensor-parallel model stops with
-its error on every rank.
+0's weights, split parameters included. ``save_state`` (SHARDED_STATE_DICT) of the config
+job, loaded by a third job (``config_resume``) built from other seeds, resumes it bitwise.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _yaml(path, spelling: str):
     data = yaml.safe_load(OVERLAP_YAML.read_text())
     data["num_processes"] = WORLD
     data["fsdp_config"].update(fsdp_overlap_backend="aot_eager", fsdp_sync_module_states=True)
-    if spelling == "config":
+    if spelling.startswith("config"):
         data["parallelism_config"] = {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": TP}
         data["fsdp_config"]["fsdp_overlap_tp_plan"] = GPT_PLAN
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -61,7 +61,7 @@ def _launch(tmp_path, spelling: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("tp_accelerate")
-    return {spelling: _launch(tmp, spelling) for spelling in ("config", "own")}
+    return {spelling: _launch(tmp, spelling) for spelling in ("config", "config_resume", "own")}
 
 
 def _job():
@@ -86,9 +86,10 @@ def _reference(name: str, ranks: list[dict]) -> tuple[list[float], dict]:
 
         torch.manual_seed(0)
         model, loss = gpt_small(**job.GPT), job.gpt_loss
+        optimizer = torch.optim.SGD(model.parameters(), lr=job.LR, momentum=0.9)  # state for the resumed job
     else:
         model, loss = _hf.build("qwen2" if name == "qwen2_own" else "llama", seed=0), job.hf_loss
-    optimizer = torch.optim.SGD(model.parameters(), lr=job.LR)
+        optimizer = torch.optim.SGD(model.parameters(), lr=job.LR)
     losses = []
     for step in range(len(ranks[0][name]["batches"])):
         ids = torch.cat([ranks[dp * TP][name]["batches"][step] for dp in range(WORLD // TP)])
@@ -151,8 +152,28 @@ def test_the_passes_bucket_the_data_parallel_collectives_and_count_the_plans(lau
     assert report["forward"]["tensor_parallel"]["before"] == tp_forward  # left where the plan put them
 
 
-def test_save_state_of_a_tensor_parallel_model_is_refused_on_every_rank(launched):
-    for spelling in ("config", "own"):
-        for rank in launched[spelling]:
-            said = rank["save_state"]
-            assert said.startswith("OverlapConfigError: accelerator.save_state: the model is tensor-parallel"), said
+def test_save_state_resumes_bitwise_in_a_second_job(launched):
+    """``save_state`` before step 3 (SHARDED_STATE_DICT: torch.distributed.checkpoint of the
+    2 x 2 model and its momentum), loaded by a new job whose ranks built other weights: steps
+    3-4 are the first job's, bitwise."""
+    first, resumed = launched["config"], launched["config_resume"]
+    for before, after in zip(first, resumed):
+        assert after["gpt"]["losses"] == before["gpt"]["losses"][2:]
+        for step, batch in enumerate(after["gpt"]["batches"]):
+            assert torch.equal(batch, before["gpt"]["batches"][2 + step])
+        for name, value in before["gpt"]["params"].items():
+            assert torch.equal(after["gpt"]["params"][name], value), name
+
+
+def test_get_state_dict_gathers_over_both_dimensions(launched):
+    ranks = launched["config"]
+    full = ranks[0]["gpt"]["state_dict"]
+    assert full.keys() == ranks[0]["gpt"]["params"].keys()
+    for name, value in ranks[0]["gpt"]["params"].items():
+        assert torch.equal(full[name], value), name
+    assert all(r["gpt"]["state_dict"] == {} for r in ranks[1:])  # rank 0 only, as Accelerate's FSDP2 path
+
+
+def test_save_state_writes_both_tensor_parallel_models(launched):
+    for rank in launched["own"]:
+        assert rank["saved_models"] == ["pytorch_model_fsdp_0", "pytorch_model_fsdp_1"], rank["saved_models"]
