@@ -1,5 +1,6 @@
 """Link shaping: two network namespaces joined by a veth pair whose ends ``tc ... tbf``
-shapes to a rate, and the rate's text (``300mbit``)."""
+shapes to a rate, the rate's text (``300mbit``), and which namespace each rank runs in when
+several share one (``rank_namespaces``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,23 @@ def parse_rate(text: str) -> float:
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * scale
     return float(text)
+
+
+def rank_namespaces(world: int, per_namespace: int = 1, namespaces: int = len(NETNS)) -> list[int]:
+    """The namespace index of each rank when ``per_namespace`` consecutive ranks share one:
+    ``rank_namespaces(4, 2) == [0, 0, 1, 1]`` (``launch.run_workers``' ``nodes``). Ranks of a
+    namespace bind its one veth address (``GLOO_SOCKET_IFNAME``), and the kernel carries a
+    connection between two of its own addresses over loopback: only traffic between
+    namespaces crosses the shaped veth. The default, one rank per namespace, is
+    ``[0, 1]`` for two ranks, what step_time.py runs."""
+    if per_namespace < 1 or world % per_namespace:
+        raise ValueError(f"rank_namespaces: {world} ranks do not split into groups of {per_namespace}")
+    if world // per_namespace != namespaces:
+        raise ValueError(
+            f"rank_namespaces: {world} ranks, {per_namespace} per namespace, need {world // per_namespace} "
+            f"namespaces; Namespaces makes {namespaces} (one veth pair)"
+        )
+    return [rank // per_namespace for rank in range(world)]
 
 
 class Namespaces:
