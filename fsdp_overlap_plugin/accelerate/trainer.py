@@ -38,9 +38,8 @@ import functools
 import sys
 from typing import Any
 
-from ..config.schema import OverlapConfigError
 from ..core import check_complete, gather_disabled
-from .adopt import is_adopted, is_plugin_model
+from .adopt import is_plugin_model
 
 __all__ = ["install"]
 
@@ -64,31 +63,6 @@ def install() -> None:
     trainer = getattr(module, "Trainer", None)
     if trainer is not None and not getattr(trainer.save_model, _WRAPPED, False):
         trainer.save_model = _full_save_model(trainer.save_model)
-    if trainer is not None and not getattr(trainer.train, _WRAPPED, False):
-        trainer.train = _refusing_tensor_parallel(trainer.train)
-
-
-def _refusing_tensor_parallel(train: Any) -> Any:
-    """``Trainer.train`` on an adopted accelerator whose ``ParallelismConfig`` has a tensor
-    dimension stops before the first step: the Trainer's loss scaling and token counts
-    under tensor parallelism have not been checked with the plugin's models (issue 59).
-    Accelerate's own loop (``accelerator.prepare``) is tested at data-parallel x tensor-parallel."""
-
-    @functools.wraps(train)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        accelerator = getattr(self, "accelerator", None)
-        parallelism = getattr(accelerator, "parallelism_config", None)
-        if is_adopted(accelerator) and parallelism is not None and getattr(parallelism, "tp_enabled", False):
-            raise OverlapConfigError(
-                f"transformers' Trainer with tensor parallelism (parallelism_config tp_size {parallelism.tp_size}) "
-                "is not supported by fsdp-overlap yet: its loss scaling and token counts over tensor-parallel ranks "
-                "are untested with the plugin. Train in your own Accelerate loop (accelerator.prepare, "
-                "docs/tensor-parallel.md), or set parallelism_config_tp_size: 1."
-            )
-        return train(self, *args, **kwargs)
-
-    setattr(wrapped, _WRAPPED, True)
-    return wrapped
 
 
 def _reading_shards(helper: Any) -> Any:

@@ -261,36 +261,6 @@ def test_accelerate_tensor_parallel_errors_name_both_keys(tmp_path, top, fsdp, m
         load_config(None, _yaml(tmp_path, top, **fsdp), environ={})
 
 
-def test_transformers_trainer_under_tensor_parallel_is_refused_before_a_step():
-    """The adopted Trainer's ``train`` (wrapped by accelerate/trainer.install) stops when the
-    accelerator's ParallelismConfig has a tensor dimension; without one it runs."""
-    from fsdp_overlap_plugin.accelerate.adopt import ADOPTED_ATTR
-    from fsdp_overlap_plugin.accelerate.trainer import _refusing_tensor_parallel
-
-    class Parallelism:
-        tp_enabled, tp_size = True, 2
-
-    class Accelerator:
-        parallelism_config = Parallelism()
-
-    class Trainer:
-        accelerator = Accelerator()
-
-    setattr(Trainer.accelerator, ADOPTED_ATTR, True)
-    train = _refusing_tensor_parallel(lambda self: "trained")
-    with pytest.raises(
-        OverlapConfigError,
-        match=r"transformers' Trainer with tensor parallelism \(parallelism_config "
-        r"tp_size 2\) is not supported .*accelerator.prepare",
-    ):
-        train(Trainer())
-    Parallelism.tp_enabled = False
-    assert train(Trainer()) == "trained"
-    setattr(Trainer.accelerator, ADOPTED_ATTR, False)
-    Parallelism.tp_enabled = True
-    assert train(Trainer()) == "trained"  # not adopted: Accelerate's own TP, untouched
-
-
 # ------------------------------------------------------------------------- Lightning
 @pytest.mark.parametrize(
     "strategy, device_mesh, mesh, nodes, devices, expected",
