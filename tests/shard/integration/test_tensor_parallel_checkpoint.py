@@ -51,20 +51,26 @@ def _model(tensor: int):
     return model
 
 
-def _steps(rank: int, model, optimizer, steps: range, tensor: int) -> list[float]:
+def _update(optimizer, loss: torch.Tensor) -> float:
+    """One optimizer step on ``loss``; the mean of every rank's loss (a data-parallel rank's
+    loss counted once per tensor-parallel rank: the mean over the data-parallel ranks)."""
     import torch.distributed as dist
 
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return (value / WORLD).item()
+
+
+def _steps(rank: int, model, optimizer, steps: range, tensor: int) -> list[float]:
     dp, dp_rank = WORLD // tensor, rank // tensor
+    data = _data()
     losses = []
     for step in steps:
-        x, y = _data()[step]
-        loss = loss_fn(model(local_slice(x, dp_rank, dp)), local_slice(y, dp_rank, dp))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append((value / WORLD).item())
+        x, y = data[step]
+        losses.append(_update(optimizer, loss_fn(model(local_slice(x, dp_rank, dp)), local_slice(y, dp_rank, dp))))
     return losses
 
 
@@ -163,7 +169,6 @@ def _pretrained_job(rank: int, world: int, source: str, out: str) -> dict:
     trained two SGD steps, then written with ``save_pretrained`` (gathered over both
     dimensions)."""
     import _hf
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     torch._dynamo.reset()
@@ -174,15 +179,7 @@ def _pretrained_job(rank: int, world: int, source: str, out: str) -> dict:
     info = fo.load_pretrained(model, source)
     loaded = full_params(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for ids in _hf.batches(2, 4):
-        loss = _hf.loss(model, local_slice(ids, rank // 2, 2))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append((value / WORLD).item())
+    losses = [_update(optimizer, _hf.loss(model, local_slice(ids, rank // 2, 2))) for ids in _hf.batches(2, 4)]
     fo.save_pretrained(model, out)
     return {"loaded": loaded, "losses": losses, "final": full_params(model), "missing": info["missing"]}
 
