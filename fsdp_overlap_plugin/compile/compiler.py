@@ -25,6 +25,7 @@ from ..report.messages import CompileProgress, say
 from ..runtime.state import OverlapState
 from ..shard.sharding import model_gather, plugin_call
 from ..shard.takeover import PLUGIN_CALL_ATTR, ChangedAfterPrepareError
+from . import async_tp
 from .backends import overlap_backend
 from .diagnostics import (
     CompileFallback,
@@ -179,6 +180,7 @@ def _no_graph_message() -> str:
 def compile_model(model: nn.Module, state: OverlapState) -> nn.Module:
     """Compile ``model`` in place (``module.compile``: hooks, names and state-dict keys
     stay as they are; no ``_orig_mod`` wrapper)."""
+    async_tp.prepare(state)  # async_tp: where it cannot run, an error now, before any step
     dynamic = state.compile_dynamic  # torch.compile's meaning (parallelize decided it)
     progress = CompileProgress(state)
     model.compile(backend=overlap_backend(state, progress), fullgraph=state.passes.fullgraph, dynamic=dynamic)

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from .. import _torch_compat as compat
 from ..passes.graph import graph_kind
-from . import torch_passes
+from . import async_tp, torch_passes
 
 __all__ = ["inductor_backend", "inductor_options"]
 
@@ -74,6 +74,7 @@ def inductor_options(state: Any, run_passes: Callable, run_reshard: Callable) ->
     }
     if state.passes.inductor_overlap == "auto":
         options.update(torch_passes.auto_patches(state.device_type, _rates(state)))
+    options.update(async_tp.inductor_patches(state))  # torch's micro-pipelined TP (async_tp)
     if state.passes_on:
         options["post_grad_custom_post_pass"] = compat.chain_graph_passes(
             config.post_grad_custom_post_pass, OverlapGraphPass(state, run_passes)

@@ -24,6 +24,7 @@ from ..passes.events import graph_events
 from ..passes.graph import C10D, collective_counts, group_name, is_collective
 from ..runtime.records import save_record, summarize_pass
 from ..runtime.state import OverlapState
+from . import async_tp
 from .diagnostics import UnbucketedWarning
 
 __all__ = ["JOINT_PASSES", "POST_GRAD_PASSES", "PassEntry", "run_passes", "run_reshard"]
@@ -160,6 +161,10 @@ def run_passes(
     if tensor:
         # the tensor-parallel plan's own collectives, counted apart: the passes leave them as they are
         record["tensor_parallel"] = {"before": collective_counts(gm.graph, tensor)}
+        # async_tp: torch's micro-pipeline pass ran before ours; what it fused (an error if nothing)
+        fused = async_tp.check_fused(gm.graph, state, kind, record["tensor_parallel"]["before"])
+        if fused is not None:
+            record["tensor_parallel"]["fused"] = fused
     events_before = graph_events(gm.graph, state.plan)
     state.graph_kind = "forward" if inference else kind
     try:

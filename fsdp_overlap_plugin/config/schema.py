@@ -160,6 +160,17 @@ class OverlapConfig:
     model may have been parallelized by the user's own code). Needs mesh.tensor > 1 (under
     Accelerate: parallelism_config_tp_size; docs/tensor-parallel.md)."""
 
+    async_tp: bool = False
+    """Inductor's micro-pipelined tensor parallelism ("async TP"): each all-gather that feeds
+    a matmul and each matmul that feeds a reduce-scatter on the tensor-parallel group run as
+    one fused kernel that splits the transfer into chunks and multiplies each chunk as it
+    arrives, over CUDA symmetric memory. Needs mesh.tensor > 1, compile with backend
+    inductor, NCCL on CUDA GPUs, and a plan whose collectives are all-gathers and
+    reduce-scatters (sequence parallelism); with only all-reduces there is nothing to fuse,
+    and that is an error at the first compile, as is gloo, hccl or aot_eager at startup.
+    Not yet run on a GPU: checked on CPUs with torch's symmetric-memory test mode
+    (docs/tensor-parallel.md#async-tp)."""
+
     activation_checkpointing: list = field(default_factory=list)
     """Module FQNs or patterns ("layers.*") whose forward is recomputed in backward. A
     transformers model's own gradient_checkpointing_enable() adds the layers it flagged."""
@@ -350,6 +361,7 @@ class OverlapConfig:
             "reshard_last_bucket",
             "compile",
             "fullgraph",
+            "async_tp",
         ):
             _check_bool(name, getattr(self, name))
         if self.separate_gather_group is not None:
@@ -413,6 +425,12 @@ class OverlapConfig:
         if not isinstance(self.backend, str) or self.backend not in _BACKENDS:
             raise OverlapConfigError(
                 f"backend: unknown backend {self.backend!r}; valid: {', '.join(_BACKENDS)}.{suggest(str(self.backend), _BACKENDS)}"
+            )
+        if self.async_tp and (not self.compile or self.backend != "inductor"):
+            raise OverlapConfigError(
+                "async_tp: inductor's micro-pipelined tensor parallelism is an inductor pass; this config has "
+                + ("compile: false" if not self.compile else f"backend: {self.backend}")
+                + ". Set compile: true and backend: inductor, or async_tp: false."
             )
         if self.compile and self.inductor_overlap != "off":
             from .inductor_overlap import setting_error
@@ -505,6 +523,14 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
+
+
+#: async_tp with no tensor dimension (``preflight`` on the config's mesh, ``compile/async_tp.py`` on the run's)
+ASYNC_TP_NEEDS_TENSOR = (
+    "async_tp: needs a tensor-parallel dimension to run on: mesh.tensor > 1 (Lightning's tensor_parallel_size, "
+    "Accelerate's parallelism_config_tp_size) and a tp_plan or your own parallelize_module; this model has none. "
+    "Set async_tp: false."
+)
 
 
 def _check_bool(name: str, value: Any) -> None:

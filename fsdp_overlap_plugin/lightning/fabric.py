@@ -122,6 +122,7 @@ class FabricStrategyMixin(StrategyBase):
         dynamic: bool | str | None = None,
         mesh: dict | None = None,
         tp_plan: dict | None = None,
+        async_tp: bool | None = None,
         activation_checkpointing: list | None = None,
         activation_checkpointing_policy: str | None = None,
         separate_gather_group: bool | None = None,

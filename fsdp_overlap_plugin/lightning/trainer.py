@@ -145,6 +145,7 @@ class TrainerStrategyMixin(StrategyBase):
         dynamic: bool | str | None = None,
         mesh: dict | None = None,
         tp_plan: dict | None = None,
+        async_tp: bool | None = None,
         activation_checkpointing: list | None = None,
         activation_checkpointing_policy: str | None = None,
         separate_gather_group: bool | None = None,

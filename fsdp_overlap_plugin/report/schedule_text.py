@@ -189,6 +189,8 @@ def tensor_parallel_words(report: dict[str, Any], size: int) -> str:
         record = report.get(kind) or {}
         counts = (record.get("tensor_parallel") or {}).get("after") or {}
         found = [f"{counts[k]} {word}" for k, word in _TP_KINDS if counts.get(k)]
+        fused = (record.get("tensor_parallel") or {}).get("fused") or {}
+        found += [f"{fused[k]} {word} (async TP)" for k, word in _FUSED_KINDS if fused.get(k)]
         if found:
             parts.append(f"{kind} {', '.join(found)}")
     per_bucket = sorted(
@@ -212,6 +214,13 @@ _TP_KINDS = (
     ("reduce_scatter", "reduce-scatters"),
     ("all_to_all", "all-to-alls"),
     ("other", "other collectives"),
+)
+
+
+# async_tp: the pairs torch's micro-pipeline pass fused (compile/async_tp.py)
+_FUSED_KINDS = (
+    ("all_gather_matmul", "all-gathers fused with their matmul"),
+    ("matmul_reduce_scatter", "reduce-scatters fused with their matmul"),
 )
 
 
