@@ -24,8 +24,10 @@ from .shard.sharding import (
     ShardSettings,
     build_gather_group,
     build_mesh,
+    check_one_tensor_mesh,
     data_parallel_mesh,
     fully_shard_plan,
+    mesh_of_split_parameters,
     model_gather,
     pin_mesh_hash,
     shard_parameters,
@@ -110,8 +112,12 @@ def parallelize(
         config: an ``OverlapConfig``, a dict of its fields, a YAML path, or None for
             the defaults; keyword ``overrides`` are applied on top.
         mesh: the data-parallel ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)`` for
-            HSDP). Defaults to all ranks of the default process group, shaped by
-            ``config.mesh``; a dict such as ``{"replicate": 2}`` sets ``config.mesh``.
+            HSDP), with a tensor dimension innermost for tensor parallelism. Defaults to all
+            ranks of the default process group, shaped by ``config.mesh`` (one mesh per
+            layout in the process, ``build_mesh``); a dict such as ``{"replicate": 2}`` sets
+            ``config.mesh``. A model the user split over a mesh of theirs with that layout
+            is sharded on that mesh; split over other process groups of the same ranks, it
+            is an error saying to pass the mesh (``check_one_tensor_mesh``).
         checked: what ``preflight(model, config)`` returned, when the caller (an adapter
             that checks before its framework builds anything) ran it already on this model
             and this config: the checks then run once, not twice.
@@ -140,10 +146,18 @@ def parallelize(
         reduce_dtype=config.torch_reduce_dtype,
         reshard_after_forward=config.reshard_after_forward,
     )
+    given = mesh is not None
+    if mesh is None:
+        # a model the user split over a mesh of theirs with the layout of config.mesh: shard on that
+        # mesh, so that there is one set of process groups (a second mesh of the same ranks would
+        # be equal to DTensor with groups of its own: a hang, docs/tensor-parallel.md)
+        mesh = mesh_of_split_parameters(model, config.mesh)
     if mesh is None:
         device_type = devices.detect_device_type()
-        # a model the user split: the tensor dimension named as the user's mesh names it, so that
-        # the plugin's tensor mesh equals theirs (shard/tensor_parallel.tensor_layout)
+        # one mesh per layout in the process (shard.sharding.build_mesh); a model the user split:
+        # the tensor dimension named as the user's mesh names it, so that the plugin's tensor mesh
+        # equals theirs (shard/tensor_parallel.tensor_layout), where check_one_tensor_mesh finds the
+        # very same groups
         mesh = build_mesh(config.mesh, device_type, names=_users_tensor_name(model))
     # with a tensor dimension (innermost), parameters are sharded over the others
     full_mesh, tp_mesh = mesh, tensor_mesh(mesh)
@@ -154,6 +168,8 @@ def parallelize(
             f"dimension innermost; got {full_mesh.ndim}-D {full_mesh.mesh_dim_names}."
         )
     _check_tensor_size(config, tp_mesh)
+    # the user's split over other process groups of the same ranks: an error now, not a hang later
+    check_one_tensor_mesh(model, tp_mesh, given=given, sizes=config.mesh)
     device_type = mesh.device_type
     hash_pinned = pin_mesh_hash(mesh)  # a mesh of ours is pinned already; one given may not be
     if full_mesh is not mesh:
