@@ -38,22 +38,12 @@ from .._torch_compat import (
     fx_annotate,
     local_shape_and_offset,
     mesh_cached_hash,
-    mesh_group_names,
-    mesh_root,
-    resolve_process_group,
     set_mesh_cached_hash,
     strided_shard,
 )
 from ..config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from ..contract import PARAM_KEY
-from .tensor_parallel import (
-    TENSOR_DIM_NAME,
-    TENSOR_DIM_NAMES,
-    TensorLayout,
-    check_tensor_mesh,
-    tensor_layout,
-    tensor_parallel_parameters,
-)
+from .tensor_parallel import TENSOR_DIM_NAME, TENSOR_DIM_NAMES, TensorLayout, check_tensor_mesh, tensor_layout
 
 # torch >= 2.9: Dynamo records the annotation in node.meta["custom"]; None on an older
 # torch, where module paths are the only attribution
@@ -63,9 +53,8 @@ __all__ = [
     "local_box",
     "build_gather_group",
     "build_mesh",
-    "check_one_tensor_mesh",
     "data_parallel_mesh",
-    "mesh_of_split_parameters",
+    "mesh_layout",
     "tensor_mesh",
     "pin_mesh_hash",
     "fully_shard_plan",
@@ -157,8 +146,7 @@ class ShardSettings:
     reshard_after_forward: bool = True
 
 
-# The meshes build_mesh made, one per layout, for the default process group they were made
-# under (a new default group, e.g. after destroy_process_group, starts a new set).
+# build_mesh's meshes by layout, for the default process group they were made under (a new one starts a new set)
 _MESHES: tuple[object, dict[tuple, DeviceMesh]] | None = None
 
 
@@ -176,14 +164,12 @@ def build_mesh(
     "tensor": "tensor_parallel"}``); the tensor dimension's name must stay one of
     ``TENSOR_DIM_NAMES``.
 
-    One mesh per layout (device type, sizes, names) per default process group: a second
-    call returns the mesh the first one built, with its process groups. Two meshes over the
-    same ranks compare equal, and DTensor takes one for the other (an operation's output can
-    come out on the mesh an earlier, equal input had), but each carries process groups of
-    its own: two ranks of a tensor-parallel group could then run one collective on different
-    groups and wait for each other forever (docs/tensor-parallel.md). Every path of the
-    plugin (``parallelize`` with mesh sizes, the Lightning strategies, a second model in the
-    process) gets its mesh here, so they share one set of groups."""
+    One mesh per layout (device type, sizes, names) per default process group: a second call
+    returns the first one's mesh and groups. Two meshes over the same ranks compare equal and
+    DTensor takes one for the other, but each has process groups of its own: two ranks of a
+    tensor-parallel group could then run one collective on different groups, a hang
+    (docs/tensor-parallel.md). So every path (``parallelize`` with sizes, the Lightning
+    strategies, a second model) shares one set of groups."""
     global _MESHES
     if isinstance(config, dict):
         from ..config.mesh import mesh_from_value
@@ -200,7 +186,7 @@ def build_mesh(
         )
     world = dist.get_world_size()
     sizes = config if isinstance(config, MeshConfig) else config.mesh
-    dim_names, shape = zip(*_layout(sizes, world))
+    dim_names, shape = zip(*mesh_layout(sizes, world))
     if names:
         dim_names = tuple(names.get(n, n) for n in dim_names)
     default = default_process_group()
@@ -215,7 +201,7 @@ def build_mesh(
     return mesh
 
 
-def _layout(sizes: MeshConfig, world: int) -> list[tuple[str, int]]:
+def mesh_layout(sizes: MeshConfig, world: int) -> list[tuple[str, int]]:
     """The dimensions ``build_mesh`` gives ``world`` ranks, outermost first, as (name, size)."""
     replicate, shard = sizes.sizes(world)
     dims = [(REPLICATE_DIM_NAME, replicate)] if replicate > 1 else []
@@ -223,119 +209,6 @@ def _layout(sizes: MeshConfig, world: int) -> list[tuple[str, int]]:
     if sizes.tensor > 1:
         dims.append((TENSOR_DIM_NAME, sizes.tensor))
     return dims
-
-
-def _live(mesh: DeviceMesh) -> bool:
-    """Whether ``mesh``'s process groups are this process's current ones (DTensor may hand a
-    parameter an equal mesh made under a default group destroyed since: a test's)."""
-    try:
-        return all(
-            resolve_process_group(name) is mesh.get_group(dim) for dim, name in enumerate(mesh_group_names(mesh))
-        )
-    except (RuntimeError, ValueError, KeyError):
-        return False
-
-
-def _compatible_root(root: DeviceMesh, tensor_name: str, sizes: MeshConfig) -> str | None:
-    """Why ``root`` (the mesh a user's split parameters were sliced from) is not the mesh
-    the config's sizes describe, or None where it is: data-parallel dimensions then the
-    tensor dimension (named ``tensor_name``) innermost, the sizes ``build_mesh`` would give,
-    the ranks in order (each tensor-parallel group consecutive)."""
-    world = dist.get_world_size()
-    want = _layout(sizes, world)
-    names = tuple(root.mesh_dim_names or ())
-    shape = tuple(root.mesh.shape)
-    described = " x ".join(f"{n} {s}" for n, s in zip(names, shape)) if names else str(shape)
-    expected = " x ".join(f"{n} {s}" for n, s in want)
-    if len(names) != root.ndim or len(set(names)) != len(names):
-        return f"a mesh {described} without a name for each dimension"
-    if tensor_name not in TENSOR_DIM_NAMES:
-        return f"a mesh {described} whose tensor dimension {tensor_name!r} is not named {' or '.join(TENSOR_DIM_NAMES)}"
-    if names[-1] != tensor_name or sum(n in TENSOR_DIM_NAMES for n in names) != 1:
-        return f"a mesh {described} whose tensor dimension {tensor_name!r} is not the one innermost"
-    if shape != tuple(s for _, s in want):
-        return f"a mesh {described}, not the layout the config's mesh sizes ask for ({expected})"
-    if root.mesh.flatten().tolist() != list(range(world)):
-        return f"a mesh {described} whose ranks are not in order ({root.mesh.tolist()})"
-    return None
-
-
-def mesh_of_split_parameters(model: nn.Module, sizes: MeshConfig) -> DeviceMesh | None:
-    """The mesh a model the user split before ``parallelize`` should be sharded on, when
-    ``parallelize`` got mesh sizes (``mesh={"tensor": 2}``) rather than a mesh: the mesh the
-    split parameters' tensor-parallel mesh was sliced from (``init_device_mesh(dev, (dp,
-    tp), mesh_dim_names=("dp", "tp"))["tp"]``: that whole mesh), where it has the layout the
-    sizes describe (``_compatible_root``). Sharding there, the plugin's data-parallel and
-    tensor-parallel groups are the very groups the user's mesh holds, not a second set over
-    the same ranks. None where nothing is split (or split on a mesh of a process group since
-    destroyed), or the split parameters' mesh has no such root: then the plugin builds its
-    own, and ``check_one_tensor_mesh`` stops a split over other groups of the same ranks."""
-    if sizes.tensor <= 1:
-        return None
-    split = [p.device_mesh for _, p in tensor_parallel_parameters(model)]
-    mesh = next((m for m in split if m.ndim == 1 and m.mesh_dim_names and _live(m)), None)
-    if mesh is None:
-        return None
-    root = mesh_root(mesh)
-    if root is mesh or _compatible_root(root, mesh.mesh_dim_names[0], sizes) is not None:
-        return None
-    return root
-
-
-def check_one_tensor_mesh(model: nn.Module, tp_mesh: DeviceMesh | None, *, given: bool, sizes: MeshConfig) -> None:
-    """Before ``parallelize`` splits or shards anything: every parameter the user split
-    over this rank's tensor-parallel ranks must be split over the very process group of the
-    plugin's tensor mesh ``tp_mesh`` (the mesh passed to ``parallelize`` when ``given``, else
-    the one built from the mesh sizes ``sizes``). A split over another mesh of the same
-    ranks (equal to DTensor, other groups) is an error saying which mesh to pass, never a
-    second set of groups in one model (the hang of docs/tensor-parallel.md). Other
-    mismatches (no tensor dimension, a 2-D mesh, other ranks) are ``check_tensor_mesh``'s."""
-    if tp_mesh is None:
-        return
-    ours = mesh_group_names(tp_mesh)
-    for name, param in tensor_parallel_parameters(model):
-        mesh = param.device_mesh
-        if mesh.ndim != 1 or mesh.mesh.tolist() != tp_mesh.mesh.tolist() or not _live(mesh):
-            continue
-        theirs = mesh_group_names(mesh)
-        if theirs == ours:
-            continue
-        raise OverlapConfigError(_two_meshes(name, theirs[0], ours[0], mesh, given, sizes))
-
-
-_EQUAL_MESHES = (
-    "DeviceMesh equality is ranks, layout and names, so DTensor takes one equal mesh for the other, and two ranks "
-    "of a tensor-parallel group can then run one collective on different groups and wait for each other forever"
-)
-
-
-def _two_meshes(name: str, theirs: str, ours: str, mesh: DeviceMesh, given: bool, sizes: MeshConfig) -> str:
-    if given:
-        return (
-            f"parameter {name} is split over a tensor-parallel mesh whose process group is {theirs}, but the tensor "
-            f"dimension of the mesh passed to parallelize has process group {ours}: two meshes over the same ranks, "
-            f"each with process groups of its own ({_EQUAL_MESHES}). Split the model over the tensor dimension of the mesh you pass (my_mesh['tp']; "
-            "under Lightning self.device_mesh['tensor_parallel'], under Accelerate "
-            "accelerator.torch_device_mesh['tp']), or pass the mesh you split over; build one mesh for every model "
-            "of the process (fsdp_overlap_plugin.build_mesh returns the same mesh for the same sizes). See "
-            "docs/tensor-parallel.md."
-        )
-    root = mesh_root(mesh)
-    tensor_name = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else ""
-    why = (
-        f"a 1-D mesh of {mesh.size()} ranks"
-        if root is mesh
-        else _compatible_root(root, tensor_name, sizes) or "a mesh of its own"
-    )
-    layout = " x ".join(f"{n} {s}" for n, s in _layout(sizes, dist.get_world_size()))
-    return (
-        f"parameter {name} is split over {why}, and parallelize got mesh sizes ({layout}), not that mesh: a mesh "
-        f"of the plugin's over the same ranks would carry process groups of its own (tensor group {ours}; the "
-        f"split's is {theirs}; {_EQUAL_MESHES}). Pass the mesh you split over: parallelize(model, "
-        "mesh=my_mesh), my_mesh with its data-parallel dimension(s) first and the tensor dimension innermost, "
-        f"named one of {', '.join(TENSOR_DIM_NAMES)} (init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
-        "'tp')), the model split over my_mesh['tp']). See docs/tensor-parallel.md."
-    )
 
 
 def _tensor_dim(mesh: DeviceMesh) -> str | None:
