@@ -82,6 +82,9 @@ __all__ = [
     "resolve_process_group",
     "preserve_node_ordering",
     "register_bucketing_ops",
+    "default_process_group",
+    "mesh_group_names",
+    "mesh_root",
 ]
 
 TORCH_VERSION: str = torch.__version__
@@ -340,6 +343,36 @@ def set_mesh_cached_hash(mesh: Any, value: int) -> None:
     """Set the hash ``DeviceMesh.__hash__`` returns (it returns its cached ``_hash`` as it
     is): shard.sharding.pin_mesh_hash gives it a value that is the same in every process."""
     mesh._hash = value
+
+
+def mesh_root(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (``mesh[...]``), itself for a mesh built whole:
+    ``DeviceMesh._get_root_mesh()`` (2.11 to 2.15); before it, ``_mesh_resources.get_root_mesh``."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def mesh_group_names(mesh: Any) -> tuple[str, ...]:
+    """The names of ``mesh``'s process groups, one per dimension (what a functional
+    collective in a compiled graph names its group by): ``DeviceMesh._dim_group_names``
+    (2.11 to 2.15), else each dimension's ``get_group().group_name``."""
+    names = getattr(mesh, "_dim_group_names", None)
+    if names is not None:
+        return tuple(names)
+    return tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
+
+
+def default_process_group() -> Any | None:
+    """The default process group object (``torch.distributed.group.WORLD``), or None without one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.group.WORLD
 
 
 def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

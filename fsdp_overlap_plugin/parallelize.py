@@ -8,8 +8,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._torch_compat import mesh_group_names, mesh_root, resolve_process_group
 from .config import inductor_overlap
-from .config.schema import OverlapConfig, OverlapConfigError
+from .config.schema import MeshConfig, OverlapConfig, OverlapConfigError
 from .config.tp_plan import NO_TENSOR_DIMENSION
 from .contract import BucketIndex
 from .report.messages import install_excepthook, process_rank, say
@@ -26,6 +27,7 @@ from .shard.sharding import (
     build_mesh,
     data_parallel_mesh,
     fully_shard_plan,
+    mesh_layout,
     model_gather,
     pin_mesh_hash,
     shard_parameters,
@@ -110,8 +112,12 @@ def parallelize(
         config: an ``OverlapConfig``, a dict of its fields, a YAML path, or None for
             the defaults; keyword ``overrides`` are applied on top.
         mesh: the data-parallel ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)`` for
-            HSDP). Defaults to all ranks of the default process group, shaped by
-            ``config.mesh``; a dict such as ``{"replicate": 2}`` sets ``config.mesh``.
+            HSDP), with a tensor dimension innermost for tensor parallelism. Defaults to all
+            ranks of the default process group, shaped by ``config.mesh`` (one mesh per
+            layout in the process, ``build_mesh``); a dict such as ``{"replicate": 2}`` sets
+            ``config.mesh``. A model the user split over a mesh of theirs with that layout
+            is sharded on that mesh; split over other process groups of the same ranks, it
+            is an error saying to pass the mesh (``_check_one_tensor_mesh``).
         checked: what ``preflight(model, config)`` returned, when the caller (an adapter
             that checks before its framework builds anything) ran it already on this model
             and this config: the checks then run once, not twice.
@@ -140,10 +146,18 @@ def parallelize(
         reduce_dtype=config.torch_reduce_dtype,
         reshard_after_forward=config.reshard_after_forward,
     )
+    given = mesh is not None
+    if mesh is None:
+        # a model the user split over a mesh of theirs with the layout of config.mesh: shard on that
+        # mesh, so that there is one set of process groups (a second mesh of the same ranks would
+        # be equal to DTensor with groups of its own: a hang, docs/tensor-parallel.md)
+        mesh = _mesh_of_split_parameters(model, config.mesh)
     if mesh is None:
         device_type = devices.detect_device_type()
-        # a model the user split: the tensor dimension named as the user's mesh names it, so that
-        # the plugin's tensor mesh equals theirs (shard/tensor_parallel.tensor_layout)
+        # one mesh per layout in the process (shard.sharding.build_mesh); a model the user split:
+        # the tensor dimension named as the user's mesh names it, so that the plugin's tensor mesh
+        # equals theirs (shard/tensor_parallel.tensor_layout), where _check_one_tensor_mesh finds the
+        # very same groups
         mesh = build_mesh(config.mesh, device_type, names=_users_tensor_name(model))
     # with a tensor dimension (innermost), parameters are sharded over the others
     full_mesh, tp_mesh = mesh, tensor_mesh(mesh)
@@ -154,6 +168,8 @@ def parallelize(
             f"dimension innermost; got {full_mesh.ndim}-D {full_mesh.mesh_dim_names}."
         )
     _check_tensor_size(config, tp_mesh)
+    # the user's split over other process groups of the same ranks: an error now, not a hang later
+    _check_one_tensor_mesh(model, tp_mesh, given=given, sizes=config.mesh)
     device_type = mesh.device_type
     hash_pinned = pin_mesh_hash(mesh)  # a mesh of ours is pinned already; one given may not be
     if full_mesh is not mesh:
@@ -300,3 +316,116 @@ def _check_tensor_size(config: OverlapConfig, tp_mesh: DeviceMesh | None) -> Non
 
 def _on_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _live(mesh: DeviceMesh) -> bool:
+    """Whether ``mesh``'s process groups are this process's current ones (DTensor may hand a
+    parameter an equal mesh made under a default group destroyed since: a test's)."""
+    try:
+        return all(
+            resolve_process_group(name) is mesh.get_group(dim) for dim, name in enumerate(mesh_group_names(mesh))
+        )
+    except (RuntimeError, ValueError, KeyError):
+        return False
+
+
+def _compatible_root(root: DeviceMesh, tensor_name: str, sizes: MeshConfig) -> str | None:
+    """Why ``root`` (the mesh a user's split parameters were sliced from) is not the mesh
+    the config's sizes describe, or None where it is: data-parallel dimensions then the
+    tensor dimension (named ``tensor_name``) innermost, the sizes ``build_mesh`` would give,
+    the ranks in order (each tensor-parallel group consecutive)."""
+    world = dist.get_world_size()
+    want = mesh_layout(sizes, world)
+    names = tuple(root.mesh_dim_names or ())
+    shape = tuple(root.mesh.shape)
+    described = " x ".join(f"{n} {s}" for n, s in zip(names, shape)) if names else str(shape)
+    expected = " x ".join(f"{n} {s}" for n, s in want)
+    if len(names) != root.ndim or len(set(names)) != len(names):
+        return f"a mesh {described} without a name for each dimension"
+    if tensor_name not in TENSOR_DIM_NAMES:
+        return f"a mesh {described} whose tensor dimension {tensor_name!r} is not named {' or '.join(TENSOR_DIM_NAMES)}"
+    if names[-1] != tensor_name or sum(n in TENSOR_DIM_NAMES for n in names) != 1:
+        return f"a mesh {described} whose tensor dimension {tensor_name!r} is not the one innermost"
+    if shape != tuple(s for _, s in want):
+        return f"a mesh {described}, not the layout the config's mesh sizes ask for ({expected})"
+    if root.mesh.flatten().tolist() != list(range(world)):
+        return f"a mesh {described} whose ranks are not in order ({root.mesh.tolist()})"
+    return None
+
+
+def _mesh_of_split_parameters(model: nn.Module, sizes: MeshConfig) -> DeviceMesh | None:
+    """The mesh a model the user split before ``parallelize`` should be sharded on, when
+    ``parallelize`` got mesh sizes (``mesh={"tensor": 2}``) rather than a mesh: the mesh the
+    split parameters' tensor-parallel mesh was sliced from (``init_device_mesh(dev, (dp,
+    tp), mesh_dim_names=("dp", "tp"))["tp"]``: that whole mesh), where it has the layout the
+    sizes describe (``_compatible_root``). Sharding there, the plugin's data-parallel and
+    tensor-parallel groups are the very groups the user's mesh holds, not a second set over
+    the same ranks. None where nothing is split (or split on a mesh of a process group since
+    destroyed), or the split parameters' mesh has no such root: then the plugin builds its
+    own, and ``_check_one_tensor_mesh`` stops a split over other groups of the same ranks."""
+    if sizes.tensor <= 1:
+        return None
+    split = [p.device_mesh for _, p in tensor_parallel_parameters(model)]
+    mesh = next((m for m in split if m.ndim == 1 and m.mesh_dim_names and _live(m)), None)
+    if mesh is None:
+        return None
+    root = mesh_root(mesh)
+    if root is mesh or _compatible_root(root, mesh.mesh_dim_names[0], sizes) is not None:
+        return None
+    return root
+
+
+def _check_one_tensor_mesh(model: nn.Module, tp_mesh: DeviceMesh | None, *, given: bool, sizes: MeshConfig) -> None:
+    """Before ``parallelize`` splits or shards anything: every parameter the user split
+    over this rank's tensor-parallel ranks must be split over the very process group of the
+    plugin's tensor mesh ``tp_mesh`` (the mesh passed to ``parallelize`` when ``given``, else
+    the one built from the mesh sizes ``sizes``). A split over another mesh of the same
+    ranks (equal to DTensor, other groups) is an error saying which mesh to pass, never a
+    second set of groups in one model (the hang of docs/tensor-parallel.md). Other
+    mismatches (no tensor dimension, a 2-D mesh, other ranks) are ``check_tensor_mesh``'s."""
+    if tp_mesh is None:
+        return
+    ours = mesh_group_names(tp_mesh)
+    for name, param in tensor_parallel_parameters(model):
+        mesh = param.device_mesh
+        if mesh.ndim != 1 or mesh.mesh.tolist() != tp_mesh.mesh.tolist() or not _live(mesh):
+            continue
+        theirs = mesh_group_names(mesh)
+        if theirs == ours:
+            continue
+        raise OverlapConfigError(_two_meshes(name, theirs[0], ours[0], mesh, given, sizes))
+
+
+_EQUAL_MESHES = (
+    "DeviceMesh equality is ranks, layout and names, so DTensor takes one equal mesh for the other, and two ranks "
+    "of a tensor-parallel group can then run one collective on different groups and wait for each other forever"
+)
+
+
+def _two_meshes(name: str, theirs: str, ours: str, mesh: DeviceMesh, given: bool, sizes: MeshConfig) -> str:
+    if given:
+        return (
+            f"parameter {name} is split over a tensor-parallel mesh whose process group is {theirs}, but the tensor "
+            f"dimension of the mesh passed to parallelize has process group {ours}: two meshes over the same ranks, "
+            f"each with process groups of its own ({_EQUAL_MESHES}). Split the model over the tensor dimension of the mesh you pass (my_mesh['tp']; "
+            "under Lightning self.device_mesh['tensor_parallel'], under Accelerate "
+            "accelerator.torch_device_mesh['tp']), or pass the mesh you split over; build one mesh for every model "
+            "of the process (fsdp_overlap_plugin.build_mesh returns the same mesh for the same sizes). See "
+            "docs/tensor-parallel.md."
+        )
+    root = mesh_root(mesh)
+    tensor_name = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else ""
+    why = (
+        f"a 1-D mesh of {mesh.size()} ranks"
+        if root is mesh
+        else _compatible_root(root, tensor_name, sizes) or "a mesh of its own"
+    )
+    layout = " x ".join(f"{n} {s}" for n, s in mesh_layout(sizes, dist.get_world_size()))
+    return (
+        f"parameter {name} is split over {why}, and parallelize got mesh sizes ({layout}), not that mesh: a mesh "
+        f"of the plugin's over the same ranks would carry process groups of its own (tensor group {ours}; the "
+        f"split's is {theirs}; {_EQUAL_MESHES}). Pass the mesh you split over: parallelize(model, "
+        "mesh=my_mesh), my_mesh with its data-parallel dimension(s) first and the tensor dimension innermost, "
+        f"named one of {', '.join(TENSOR_DIM_NAMES)} (init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
+        "'tp')), the model split over my_mesh['tp']). See docs/tensor-parallel.md."
+    )

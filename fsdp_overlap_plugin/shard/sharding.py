@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from .._torch_compat import (
     compiler_disable,
+    default_process_group,
     fx_annotate,
     local_shape_and_offset,
     mesh_cached_hash,
@@ -53,6 +54,7 @@ __all__ = [
     "build_gather_group",
     "build_mesh",
     "data_parallel_mesh",
+    "mesh_layout",
     "tensor_mesh",
     "pin_mesh_hash",
     "fully_shard_plan",
@@ -144,6 +146,10 @@ class ShardSettings:
     reshard_after_forward: bool = True
 
 
+# build_mesh's meshes by layout, for the default process group they were made under (a new one starts a new set)
+_MESHES: tuple[object, dict[tuple, DeviceMesh]] | None = None
+
+
 def build_mesh(
     config: OverlapConfig | MeshConfig | dict, device_type: str | None = None, *, names: dict[str, str] | None = None
 ) -> DeviceMesh:
@@ -156,7 +162,15 @@ def build_mesh(
     ``data_parallel_mesh`` / ``tensor_mesh`` split it. ``names`` renames dimensions for a
     framework that indexes the mesh its own way (Lightning's ``{"shard": "data_parallel",
     "tensor": "tensor_parallel"}``); the tensor dimension's name must stay one of
-    ``TENSOR_DIM_NAMES``."""
+    ``TENSOR_DIM_NAMES``.
+
+    One mesh per layout (device type, sizes, names) per default process group: a second call
+    returns the first one's mesh and groups. Two meshes over the same ranks compare equal and
+    DTensor takes one for the other, but each has process groups of its own: two ranks of a
+    tensor-parallel group could then run one collective on different groups, a hang
+    (docs/tensor-parallel.md). So every path (``parallelize`` with sizes, the Lightning
+    strategies, a second model) shares one set of groups."""
+    global _MESHES
     if isinstance(config, dict):
         from ..config.mesh import mesh_from_value
 
@@ -172,17 +186,29 @@ def build_mesh(
         )
     world = dist.get_world_size()
     sizes = config if isinstance(config, MeshConfig) else config.mesh
+    dim_names, shape = zip(*mesh_layout(sizes, world))
+    if names:
+        dim_names = tuple(names.get(n, n) for n in dim_names)
+    default = default_process_group()
+    if _MESHES is None or _MESHES[0] is not default:
+        _MESHES = (default, {})
+    key = (device_type, tuple(shape), tuple(dim_names))
+    mesh = _MESHES[1].get(key)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
+        pin_mesh_hash(mesh)  # before anything hashes it
+        _MESHES[1][key] = mesh
+    return mesh
+
+
+def mesh_layout(sizes: MeshConfig, world: int) -> list[tuple[str, int]]:
+    """The dimensions ``build_mesh`` gives ``world`` ranks, outermost first, as (name, size)."""
     replicate, shard = sizes.sizes(world)
     dims = [(REPLICATE_DIM_NAME, replicate)] if replicate > 1 else []
     dims.append((SHARD_DIM_NAME, shard))
     if sizes.tensor > 1:
         dims.append((TENSOR_DIM_NAME, sizes.tensor))
-    dim_names, shape = zip(*dims)
-    if names:
-        dim_names = tuple(names.get(n, n) for n in dim_names)
-    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(dim_names))
-    pin_mesh_hash(mesh)  # before anything hashes it
-    return mesh
+    return dims
 
 
 def _tensor_dim(mesh: DeviceMesh) -> str | None:
