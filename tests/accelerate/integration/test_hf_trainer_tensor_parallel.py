@@ -25,11 +25,18 @@ silently, until the plugin's ``Trainer`` adapter took that count undivided
 without the plugin, on the global batch: each pair's data loader gave it the same batches and
 the reference saw the two pairs' batches together; losses, gradient norms (before clipping)
 and final weights within 1e-5.
+
+And examples/hf_trainer.py as shipped, launched with the same YAML on 4 ranks (AdamW,
+evaluation, step checkpoints, ``save_model``): losses, gradient norms and evaluation losses
+within 1e-5 of the example in one process, the exported folder its weights; a launch resumed
+from a step checkpoint (torch.distributed.checkpoint of the 2-D model, through the Trainer's
+FSDP helpers) trains the last steps bit for bit again.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -37,6 +44,7 @@ import pytest
 import torch
 import yaml
 from _accelerate import OVERLAP_YAML, ROOT, accelerate_launch, launch_env, output
+from _export import assert_same_tensors, folder_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.middle_torch]
 
@@ -165,3 +173,82 @@ def test_losses_gradient_norms_and_weights_match_one_process(jobs, job):
         assert rank["params"].keys() == single["params"].keys()
         worst = max((rank["params"][k] - single["params"][k]).abs().max().item() for k in single["params"])
         assert worst <= TOL, worst
+
+
+# ---------------------------------------------------------------- examples/hf_trainer.py
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+EXAMPLE_ARGS = ("--steps", "6", "--save-steps", "2", "--eval-steps", "3", "--grad-accum", "2")
+
+
+def _example_history(path) -> dict[str, list[float]]:
+    logs = json.loads(path.read_text())["log_history"]
+    return {key: [entry[key] for entry in logs if key in entry] for key in ("loss", "grad_norm", "eval_loss")}
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> dict:
+    """The example as shipped (AdamW, evaluation every 3 steps, a step checkpoint every 2,
+    ``save_model`` at the end), at dp 2 x tp 2; the one process; and a second launch resumed
+    from checkpoint-4 of the first (checkpoint-6 removed, as a kill during it would leave it)."""
+    root = tmp_path_factory.mktemp("hf_trainer_tp_example")
+    config = _yaml(root / "tp.yaml")
+
+    def launch(name: str, *args: str) -> dict:
+        proc = accelerate_launch(
+            config,
+            *EXAMPLE_ARGS,
+            "--output-dir",
+            str(root / name),
+            "--metrics",
+            str(root / f"{name}.json"),
+            "--export",
+            str(root / f"{name}-export"),
+            *args,
+            script=EXAMPLE,
+            launcher_args=("--num_processes", str(WORLD)),
+            env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
+        )
+        assert proc.returncode == 0, output(proc)[-6000:]
+        return {"text": output(proc), "history": _example_history(root / f"{name}.json")}
+
+    out = {"root": root, "plugin": launch("plugin")}
+    single = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--batch", str(DP * 4), *EXAMPLE_ARGS, "--output-dir", str(root / "single")]
+        + ["--metrics", str(root / "single.json"), "--export", str(root / "single-export")],
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert single.returncode == 0, output(single)[-4000:]
+    out["single"] = {"history": _example_history(root / "single.json")}
+    shutil.copytree(root / "plugin", root / "resumed")
+    shutil.rmtree(root / "resumed" / "checkpoint-6")
+    out["resumed"] = launch("resumed", "--resume", "latest")
+    return out
+
+
+def test_the_example_trains_evaluates_and_exports_like_one_process(example):
+    ours, single = example["plugin"]["history"], example["single"]["history"]
+    assert "fsdp-overlap summary: 4 ranks (2 data-parallel x 2 tensor-parallel)" in example["plugin"]["text"]
+    assert len(ours["loss"]) == 6 and len(ours["eval_loss"]) == 2
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert max(abs(a - b) for a, b in zip(ours[key], single[key])) <= TOL, (key, ours[key], single[key])
+    # save_model: the full weights, gathered over both dimensions (AdamW: an element whose
+    # gradient is near 0 moves by up to lr whatever its size; test_hf_trainer.py's tolerance)
+    root = example["root"]
+    exported, reference = folder_tensors(root / "plugin-export"), folder_tensors(root / "single-export")
+    assert exported.keys() == reference.keys()
+    for key in exported:
+        torch.testing.assert_close(exported[key], reference[key], rtol=1e-5, atol=1e-4)
+
+
+def test_the_examples_step_checkpoints_resume_bit_for_bit(example):
+    root = example["root"]
+    for step in (2, 4, 6):
+        shards = {p.name for p in (root / "plugin" / f"checkpoint-{step}" / "pytorch_model_fsdp_0").iterdir()}
+        assert shards == {".metadata", *(f"__{r}_0.distcp" for r in range(WORLD))}
+    assert example["resumed"]["history"] == example["plugin"]["history"]  # steps 5-6 trained again, equal
+    assert_same_tensors(folder_tensors(root / "resumed-export"), folder_tensors(root / "plugin-export"))
