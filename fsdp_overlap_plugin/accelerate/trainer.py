@@ -3,7 +3,7 @@ need from the plugin.
 
 With an FSDP plugin in its accelerator's state (an adopted accelerator has one on every
 device), the ``Trainer`` takes its FSDP paths, which work on the plugin's models as they
-are (``DTensor`` ``Shard(0)`` parameters, FSDP2's layout) except in two places:
+are (``DTensor`` ``Shard(0)`` parameters, FSDP2's layout) except in these places:
 
 * its checkpoints go through Accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` /
   ``load_fsdp_model`` / ``load_fsdp_optimizer`` (``torch.distributed.checkpoint``), whose
