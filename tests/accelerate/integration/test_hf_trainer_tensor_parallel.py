@@ -11,7 +11,9 @@ config). The script is an ordinary ``Trainer`` script: SGD, gradient accumulatio
 ``average_tokens_across_devices=True`` with labels padded with ``-100`` to a different length in
 every row (the ranks count different numbers of tokens); ``per_rank``,
 ``average_tokens_across_devices=False`` (each data-parallel rank's loss the mean over its own
-batch; no padding, so that is the one process's mean too).
+batch; no padding, so that is the one process's mean too); ``live``, as ``tokens`` with the
+tensor size in the script (``TrainingArguments(parallelism_config=ParallelismConfig(
+dp_shard_size=2, tp_size=2))``) instead of the YAML.
 
 The Trainer scales the loss for tensor parallelism itself: ``num_items_in_batch`` is the
 token count gathered over every rank divided by ``get_tp_size()`` (the two ranks of a pair
@@ -56,10 +58,13 @@ TOL = 1e-5
 RUNNER = ("--num_processes", str(WORLD), "-m", "fsdp_overlap_plugin.accelerate")
 
 
-def _yaml(path):
+def _yaml(path, parallelism: bool = True):
+    """configs/overlap.yaml at 4 ranks, tp_plan auto; ``parallelism``: with the launch's
+    ``parallelism_config`` (without, the script's TrainingArguments must say it)."""
     data = yaml.safe_load(OVERLAP_YAML.read_text())
     data["num_processes"] = WORLD
-    data["parallelism_config"] = {"parallelism_config_dp_shard_size": DP, "parallelism_config_tp_size": TP}
+    if parallelism:
+        data["parallelism_config"] = {"parallelism_config_dp_shard_size": DP, "parallelism_config_tp_size": TP}
     data["fsdp_config"].update(
         fsdp_overlap_backend="aot_eager", fsdp_sync_module_states=True, fsdp_overlap_tp_plan="auto"
     )
@@ -72,15 +77,18 @@ def _yaml(path):
 #: (average_tokens_across_devices=False; no padding, so every rank counts as many tokens and the
 #: one-process mean over the global batch is the mean of the ranks' means).
 #: max_grad_norm: between the job's smallest and largest gradient norm, so clipping cuts some steps.
+#: ``live``: the tensor size said in the script, TrainingArguments(parallelism_config=
+#: ParallelismConfig(dp_shard_size=2, tp_size=2)) (transformers' own spelling), not in the YAML.
 JOBS = {
     "tokens": {},
     "per_rank": {"average_tokens_across_devices": False, "padded": False, "max_grad_norm": 0.9},
+    "live": {"parallelism": [DP, TP]},
 }
 
 
 def _job(root, name: str, options: dict) -> dict:
     proc = accelerate_launch(
-        _yaml(root / f"{name}.yaml"),
+        _yaml(root / f"{name}.yaml", parallelism="parallelism" not in options),
         json.dumps(options),
         str(root / name),
         script=SCRIPT,
@@ -90,7 +98,8 @@ def _job(root, name: str, options: dict) -> dict:
     text = output(proc)
     assert proc.returncode == 0, text[-6000:]
     # the reference: one process, no launcher (nothing adopts its Accelerator), the global batch
-    reference = {**options, "per_device_train_batch_size": DP * PER_RANK}
+    reference = {k: v for k, v in options.items() if k != "parallelism"}
+    reference["per_device_train_batch_size"] = DP * PER_RANK
     single = subprocess.run(
         [sys.executable, str(SCRIPT), json.dumps(reference), str(root / f"{name}-single")],
         cwd=ROOT,
