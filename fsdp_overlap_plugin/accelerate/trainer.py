@@ -3,7 +3,7 @@ need from the plugin.
 
 With an FSDP plugin in its accelerator's state (an adopted accelerator has one on every
 device), the ``Trainer`` takes its FSDP paths, which work on the plugin's models as they
-are (``DTensor`` ``Shard(0)`` parameters, FSDP2's layout) except in two places:
+are (``DTensor`` ``Shard(0)`` parameters, FSDP2's layout) except in these places:
 
 * its checkpoints go through Accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` /
   ``load_fsdp_model`` / ``load_fsdp_optimizer`` (``torch.distributed.checkpoint``), whose
@@ -27,6 +27,20 @@ are (``DTensor`` ``Shard(0)`` parameters, FSDP2's layout) except in two places:
   holds full weights that plain ``from_pretrained`` loads (through
   ``accelerator.get_state_dict``, the plugin's ``full_state_dict``). The ``Trainer``'s own
   checkpoints (``save_model(..., _internal_call=True)``) keep the sharded files.
+
+* under tensor parallelism (``parallelism_config_tp_size``, ``mesh.tensor``) the two ranks of
+  a tensor-parallel pair train on the same batches, and the ``Trainer`` divides its token
+  count (``num_items_in_batch``, the denominator of a causal LM's loss) by ``get_tp_size()``
+  whether or not it summed the count over the ranks first. With
+  ``average_tokens_across_devices=True`` (the default) it did, each pair's batch counted once
+  per rank, and the division is right (the loss is then multiplied by ``num_processes //
+  get_tp_size()``, the data-parallel size the gradient reduce-scatter averages over). With
+  ``average_tokens_across_devices=False`` the count is this rank's own batch, counted once:
+  divided by the tensor size, every loss and gradient came out ``tp_size`` times too large,
+  silently (transformers 5.24, ``Trainer._get_num_items_in_batch``). For a plugin model the
+  count is taken without that division in that case (``get_tp_size`` reads 1 during the
+  count; a transformers that stops dividing there is unaffected): each data-parallel rank's
+  loss is its batch's mean, as without tensor parallelism.
 
 ``install()`` wraps them once, when an accelerator is adopted in a process that has
 imported ``transformers.trainer``; models that are not the plugin's are untouched.
@@ -63,6 +77,9 @@ def install() -> None:
     trainer = getattr(module, "Trainer", None)
     if trainer is not None and not getattr(trainer.save_model, _WRAPPED, False):
         trainer.save_model = _full_save_model(trainer.save_model)
+    count = getattr(trainer, "_get_num_items_in_batch", None)
+    if count is not None and not getattr(count, _WRAPPED, False):
+        trainer._get_num_items_in_batch = _counting_each_pair_once(count)
 
 
 def _reading_shards(helper: Any) -> Any:
@@ -106,3 +123,32 @@ def _full_save_model(save_model: Any) -> Any:
 
     setattr(wrapped, _WRAPPED, True)
     return wrapped
+
+
+def _counting_each_pair_once(count: Any) -> Any:
+    """``Trainer._get_num_items_in_batch(batch_samples, device)`` without the division by the
+    tensor-parallel size when the count was not summed over the ranks
+    (``average_tokens_across_devices=False``): see the module doc."""
+
+    @functools.wraps(count)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self.args, "average_tokens_across_devices", True) or not is_plugin_model(self.model):
+            return count(self, *args, **kwargs)
+        if self.get_tp_size() <= 1:
+            return count(self, *args, **kwargs)
+        # an instance attribute shadows the method (a subclass's override too) for this call
+        shadowed = vars(self).get("get_tp_size", _ABSENT)
+        self.get_tp_size = lambda: 1
+        try:
+            return count(self, *args, **kwargs)
+        finally:
+            if shadowed is _ABSENT:
+                del self.get_tp_size
+            else:
+                self.get_tp_size = shadowed
+
+    setattr(wrapped, _WRAPPED, True)
+    return wrapped
+
+
+_ABSENT = object()
