@@ -298,3 +298,22 @@ def test_a_vocabulary_the_tensor_group_does_not_divide_is_an_error_naming_it(wor
         r"which is not a multiple of mesh.tensor=2.*pad_to_multiple_of=2",
     ):
         fo.parallelize(_hf.build("llama"), backend="aot_eager", mesh={"tensor": 2}, tp_plan=SP_PLAN)
+
+
+def test_without_sequence_parallel_the_embedding_takes_whole_ids_and_the_head_gathers_its_logits(world4):
+    """The same embedding and head entries in a plain tensor-parallel plan: the embedding's
+    ids are whole on every rank (torch's default input layout for rowwise, Shard(-1), would
+    gather them into a sequence twice as long), its output all-reduced; the head's logits
+    are gathered to the whole vocabulary for the loss."""
+    plan = {k: v for k, v in SP_PLAN.items() if v != "sequence_parallel"}
+    model = _build("llama")
+    fo.parallelize(model, backend="aot_eager", mesh={"tensor": 2}, tp_plan=plan)
+    ids = _batch()
+    logits = model(input_ids=ids).logits
+    assert not isinstance(logits, torch.distributed.tensor.DTensor)
+    assert logits.shape == (2, 16, VOCAB)
+    report = fo.schedule_report(model)
+    forward = report["forward"]["tensor_parallel"]["after"]
+    # per layer o_proj and down_proj, and the embedding: all-reduces; the head: one all-gather
+    assert forward["all_reduce"] == 2 * LAYERS + 1 and forward["all_gather"] == 1, forward
+    assert forward["reduce_scatter"] == 0
