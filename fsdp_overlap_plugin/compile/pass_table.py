@@ -21,7 +21,7 @@ import torch.fx as fx
 from .. import _torch_compat as compat
 from .. import passes
 from ..passes.events import graph_events
-from ..passes.graph import C10D, collective_counts, group_name, is_collective
+from ..passes.graph import C10D, collective_counts, group_name, is_collective, mark_tensor_parallel
 from ..runtime.records import save_record, summarize_pass
 from ..runtime.state import OverlapState
 from . import async_tp
@@ -160,6 +160,7 @@ def run_passes(
     record["passes"] = {}
     if tensor:
         # the tensor-parallel plan's own collectives, counted apart: the passes leave them as they are
+        mark_tensor_parallel(gm.graph, tensor)
         record["tensor_parallel"] = {"before": collective_counts(gm.graph, tensor)}
         # async_tp: torch's micro-pipeline pass ran before ours; what it fused (an error if nothing)
         fused = async_tp.check_fused(gm.graph, state, kind, record["tensor_parallel"]["before"])

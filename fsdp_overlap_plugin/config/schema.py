@@ -155,8 +155,12 @@ class OverlapConfig:
     decoder layers' attention and MLP projections; its embedding and head stay whole), or a
     mapping of module FQNs or patterns ("layers.*.mlp.up_proj") to a style: "colwise" (a
     Linear's or Embedding's output features split), "rowwise" (its input features split; the
-    output all-reduced) or "replicate" (left whole on every tensor-parallel rank: data
-    parallel only; modules no entry names are left whole too). null: no plan of ours (the
+    output all-reduced), "replicate" (left whole on every tensor-parallel rank: data
+    parallel only; modules no entry names are left whole too) or "sequence_parallel" (a norm
+    run on sequence shards: the plan becomes Megatron's sequence parallelism, with the token
+    embedding rowwise, every norm sequence_parallel and the head colwise; rowwise layers then
+    reduce-scatter to sequence shards and colwise ones gather their input from them;
+    docs/tensor-parallel.md#sequence-parallelism). null: no plan of ours (the
     model may have been parallelized by the user's own code). Needs mesh.tensor > 1 (under
     Accelerate: parallelism_config_tp_size; docs/tensor-parallel.md)."""
 

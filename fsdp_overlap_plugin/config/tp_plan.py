@@ -14,16 +14,12 @@ from .keys import suggest
 
 __all__ = ["NO_TENSOR_DIMENSION", "TP_STYLES", "check_tp_plan"]
 
-#: tp_plan's styles, as MindSpeed's and transformers' plans spell them
-TP_STYLES = ("colwise", "rowwise", "replicate")
-#: styles users write that the plugin does not apply yet, and why
-NOT_YET = {
-    "sequence_parallel": (
-        "sequence parallelism needs the residual stream split by sequence from the embedding to the head, "
-        "which one style per module cannot say yet; split the Linear layers (colwise / rowwise) and leave the "
-        "norms whole (replicate, or leave them out)"
-    ),
-}
+#: tp_plan's styles, as MindSpeed's and transformers' plans spell them; one
+#: ``sequence_parallel`` entry makes the whole plan a sequence-parallel one
+#: (``shard/tensor_parallel.py``, docs/tensor-parallel.md#sequence-parallelism)
+TP_STYLES = ("colwise", "rowwise", "replicate", "sequence_parallel")
+#: styles users write that the plugin does not apply yet, and why (none at present)
+NOT_YET: dict[str, str] = {}
 
 
 def check_tp_plan(plan: Any) -> dict[str, str] | str | None:

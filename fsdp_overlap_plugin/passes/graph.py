@@ -40,6 +40,7 @@ __all__ = [
     "is_reduce_scatter",
     "is_view",
     "is_wait",
+    "mark_tensor_parallel",
     "size_hint",
     "merge_duplicate_waits",
     "numel_hint",
@@ -49,8 +50,13 @@ __all__ = [
     "owner_module",
     "param_fqn",
     "PARAM_KEY",
+    "TENSOR_PARALLEL_KEY",
     "wait_of",
 ]
+
+#: ``node.meta`` key of a collective on a tensor-parallel group (``mark_tensor_parallel``):
+#: the plan's, never a parameter gather or a gradient reduction, whatever its shape
+TENSOR_PARALLEL_KEY = "fsdp_overlap_tensor_parallel"
 
 C10D = torch.ops._c10d_functional
 _COMM_NAMESPACES = ("_c10d_functional", "c10d_functional")
@@ -436,12 +442,26 @@ def _built_from_inputs(node: fx.Node, limit: int = _INPUT_WALK_LIMIT) -> bool:
     return True
 
 
+def mark_tensor_parallel(graph: fx.Graph, groups: Any) -> int:
+    """Mark the collectives on ``groups`` (the tensor-parallel groups' names, which the
+    caller resolved) as the plan's (``TENSOR_PARALLEL_KEY``); returns how many. Sequence
+    parallelism's forward reduce-scatters are saved for the backward, so the forward graph
+    returns them as it returns a gradient reduction: only the group tells them apart."""
+    marked = 0
+    for node in graph.nodes:
+        if is_collective(node) and group_name(node) in groups:
+            node.meta[TENSOR_PARALLEL_KEY] = True
+            marked += 1
+    return marked
+
+
 def is_fsdp_all_gather(node: fx.Node) -> bool:
     """An all-gather of parameter shards: one our sharding traced (it carries the
     parameter's FQN), or one whose input is built from graph inputs by layout-only
     operations (a shard, its dtype cast or padding, or a bucket of shards). A
-    tensor-parallel all-gather of computed activations does not qualify."""
-    if not is_all_gather(node):
+    tensor-parallel all-gather of computed activations does not qualify, nor one marked
+    tensor-parallel (``mark_tensor_parallel``)."""
+    if not is_all_gather(node) or node.meta.get(TENSOR_PARALLEL_KEY):
         return False
     if param_fqn(node) is not None:
         return True
@@ -469,8 +489,9 @@ def is_fsdp_reduce_scatter(node: fx.Node) -> bool:
     through the sum of such results (a parameter used twice, such as tied embeddings, gets
     one reduced gradient per use, added up). Other consumers may branch off on the way; a
     tensor-parallel reduce-scatter, whose result only feeds further compute, does not
-    qualify."""
-    if not is_reduce_scatter(node):
+    qualify, nor one marked tensor-parallel (``mark_tensor_parallel``: a forward's
+    sequence-parallel reduce-scatter is returned, saved for the backward)."""
+    if not is_reduce_scatter(node) or node.meta.get(TENSOR_PARALLEL_KEY):
         return False
     if param_fqn(node) is not None:
         return True

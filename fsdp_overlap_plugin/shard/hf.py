@@ -296,8 +296,11 @@ def save_config(model: nn.Module, directory: Path, dtype: torch.dtype) -> list[s
 
 
 # transformers' style names that are ours as they are; the others (embedding_rowwise,
-# colwise_gather_output, sequence_parallel, ...) need activations laid out differently
-# and are left whole by ``tp_plan: auto``
+# colwise_gather_output, ...) are left whole by ``tp_plan: auto``. Its "sequence_parallel"
+# is not ours either: transformers' takes a plain input for this rank's sequence shard and
+# keeps its rowwise all-reduce, while a sequence-parallel plan of ours needs the embedding,
+# every norm and the head named (docs/tensor-parallel.md#sequence-parallelism): written
+# out in a tp_plan, not read from a model's own plan
 _OWN_STYLES = ("colwise", "rowwise")
 
 

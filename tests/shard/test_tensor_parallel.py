@@ -75,16 +75,17 @@ def test_mesh_tensor_divides_the_world_before_the_data_parallel_sizes():
         ),
         (
             {"tp_plan": {"a": "colwize"}, "mesh": {"tensor": 2}},
-            r"tp_plan\['a'\]: unknown style 'colwize'; valid: colwise, rowwise, replicate. Did you mean 'colwise'",
+            r"tp_plan\['a'\]: unknown style 'colwize'; valid: colwise, rowwise, replicate, sequence_parallel. "
+            r"Did you mean 'colwise'",
         ),
         (
             {"tp_plan": ["a"], "mesh": {"tensor": 2}},
-            r'tp_plan: expected "auto" \(a transformers model\'s own plan\) or a mapping of module FQNs or patterns to a style \(colwise, rowwise, replicate\)',
+            r'tp_plan: expected "auto" \(a transformers model\'s own plan\) or a mapping of module FQNs or patterns to a style \(colwise, rowwise, replicate, sequence_parallel\)',
         ),
         ({"tp_plan": {}, "mesh": {"tensor": 2}}, r'tp_plan: expected "auto" .* got \{\}'),
         (
-            {"tp_plan": {"norm": "sequence_parallel"}, "mesh": {"tensor": 2}},
-            r"tp_plan\['norm'\]: sequence_parallel is not available yet: sequence parallelism needs the residual stream",
+            {"tp_plan": {"norm": "sequence paralel"}, "mesh": {"tensor": 2}},
+            r"tp_plan\['norm'\]: unknown style 'sequence paralel'; .* Did you mean 'sequence_parallel'",
         ),
     ],
 )
