@@ -43,6 +43,8 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = [
+    "enable_symm_mem_for_group",
+    "symm_mem_test_mode",
     "FakeTensor",
     "FakeTensorMode",
     "OpOverload",
@@ -373,6 +375,29 @@ def default_process_group() -> Any | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     return dist.group.WORLD
+
+
+def symm_mem_test_mode() -> bool:
+    """Whether torch's symmetric-memory test mode is on (``_symmetric_memory._test_mode``:
+    every group counts as enabled, the fused ops run their unfused fallbacks)."""
+    try:
+        module = importlib.import_module("torch.distributed._symmetric_memory")
+    except ImportError:  # a torch built without distributed
+        return False
+    return bool(getattr(module, "_is_test_mode", False))
+
+
+def enable_symm_mem_for_group(group_name: str) -> None:
+    """Symmetric memory for one process group, which inductor's micro-pipeline pass asks for
+    (``is_symm_mem_enabled_for_group``). torch 2.11-2.15 mark the call deprecated ("no need to
+    call this function anymore"), yet their pass still skips a group it was not made for."""
+    import warnings
+
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group as enable
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable(group_name)
 
 
 def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -30,7 +30,6 @@ on a CPU. ``prepare`` then skips the backend check: the test mode is torch's, no
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch.fx as fx
@@ -39,7 +38,7 @@ from .. import _torch_compat as compat
 from ..config.schema import ASYNC_TP_NEEDS_TENSOR
 from ..contract import OverlapConfigError
 
-__all__ = ["FUSED_KINDS", "check_fused", "count_fused", "inductor_patches", "prepare", "test_mode"]
+__all__ = ["FUSED_KINDS", "check_fused", "count_fused", "inductor_patches", "prepare"]
 
 #: the fused ops of torch's micro-pipeline pass, by what they replace
 FUSED_KINDS = {
@@ -50,15 +49,6 @@ FUSED_KINDS = {
 }
 
 
-def test_mode() -> bool:
-    """Whether torch's symmetric-memory test mode is on (its fused ops run their fallbacks)."""
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except ImportError:  # a torch built without distributed
-        return False
-    return bool(getattr(symm_mem, "_is_test_mode", False))
-
-
 def prepare(state: Any) -> None:
     """Before the first compile: stop where async TP cannot run, else enable symmetric
     memory for the tensor-parallel group(s) so that torch's pass fuses their collectives."""
@@ -66,7 +56,7 @@ def prepare(state: Any) -> None:
         return
     if state.tensor_parallel < 2 or not state.tp_groups:
         raise OverlapConfigError(ASYNC_TP_NEEDS_TENSOR)
-    if test_mode():
+    if compat.symm_mem_test_mode():
         return
     import torch.distributed as dist
 
@@ -83,14 +73,8 @@ def prepare(state: Any) -> None:
             "async_tp: inductor's micro-pipelined tensor parallelism needs CUDA symmetric memory (NCCL on CUDA "
             f"GPUs); this run's tensor-parallel group is {backend} on {state.device_type}. Set async_tp: false."
         )
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    with warnings.catch_warnings():
-        # torch 2.11-2.15 mark it deprecated ("no need to call"), yet their micro-pipeline
-        # pass still skips a group it was not called for (is_symm_mem_enabled_for_group)
-        warnings.simplefilter("ignore", FutureWarning)
-        for name in state.tp_groups:
-            enable_symm_mem_for_group(name)
+    for name in state.tp_groups:
+        compat.enable_symm_mem_for_group(name)
 
 
 def inductor_patches(state: Any) -> dict[str, Any]:
