@@ -141,8 +141,11 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
         if state.passes.backend == "inductor":
             state.compile_cache.append(cache_use(index, graph_id, before, cache_counters()))
         records = state.records[records_before:]
-        if error is None and not records and state.passes_on:
-            records = records_from_cache(state, graph_id)
+        if error is None and state.passes_on:
+            # an FX graph cache hit skips the passes: their records come from the store, for
+            # every graph this compile did not run them on (all of them, or only the backward
+            # when the forward missed and the backward hit)
+            records += records_from_cache(state, graph_id, skip={r["graph"] for r in records})
         for record in records + state.reshard[joints_before:]:
             record["dynamo_graph"] = index  # which compile of the forward it came from (the report)
             record["dynamic_sizes"] = sizes

@@ -37,10 +37,16 @@ def cache_use(index: int, graph_id: str, before: dict[str, int], after: dict[str
     }
 
 
-def records_from_cache(state: OverlapState, graph_id: str) -> list[dict]:
+def records_from_cache(state: OverlapState, graph_id: str, skip: set[str] = frozenset()) -> list[dict]:
     """The records the passes left for this graph when it was compiled before: on an FX
-    graph cache hit inductor loads compiled code without running them."""
-    records = [dict(r, from_cache=True) for r in load_graph_records(state.cache_key(), graph_id, rank=state.rank)]
+    graph cache hit inductor loads compiled code without running them. ``skip``: the kinds
+    of graph ("forward", "backward") the passes ran on in this compile (a cache miss), whose
+    fresh records stand."""
+    records = [
+        dict(r, from_cache=True)
+        for r in load_graph_records(state.cache_key(), graph_id, rank=state.rank)
+        if r["graph"] not in skip
+    ]
     joints = {r.get("graph_id") for r in state.reshard}
     for record in records:
         if record["graph"] != "joint":
