@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_overlap_plugin.compile.backends as fo_compile
+from fsdp_overlap_plugin.passes.graph import collective_of_wait, group_name, is_collective, is_wait
 
 
 @contextlib.contextmanager
@@ -52,3 +53,30 @@ class GraphCapture:
             if k == kind:
                 return before if which == "before" else after
         raise KeyError(f"no {kind} graph captured; got {[k for k, _, _ in self.graphs]}")
+
+
+def collectives_by_group(gm, groups: dict) -> dict:
+    """How many of each collective a graph holds, by group (``groups``: process group name -> label)."""
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if is_collective(n):
+            key = (groups.get(group_name(n), "other"), str(n.target).split(".")[1])
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def tensor_parallel_order(gm, tp_group: str) -> list[str]:
+    """The tensor-parallel collectives, their waits and every matmul, in graph order:
+    the passes may move neither kind across the other."""
+    order = []
+    for n in gm.graph.nodes:
+        launch = collective_of_wait(n) if is_wait(n) else n if is_collective(n) else None
+        if launch is not None and group_name(launch) == tp_group:
+            order.append(("wait " if is_wait(n) else "launch ") + launch.name)
+        elif n.op == "call_function" and n.target in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.bmm.default,
+        ):
+            order.append(n.name)
+    return order

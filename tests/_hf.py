@@ -204,3 +204,18 @@ def train_reference(
         opt.zero_grad(set_to_none=True)
         losses.append(value.item())
     return losses, full_params(model)
+
+
+#: a sequence-parallel tp_plan of the tests' Llama / Qwen2 (tests/shard: test_sequence_parallel*.py)
+SP_PLAN = {
+    "model.embed_tokens": "rowwise",
+    "model.layers.*.input_layernorm": "sequence_parallel",
+    "model.layers.*.self_attn.[qkv]_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.post_attention_layernorm": "sequence_parallel",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.norm": "sequence_parallel",
+    "lm_head": "colwise",
+}

@@ -12,31 +12,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fake import fake_world
+from _fake import collectives_by_group, fake_world, tensor_parallel_order
+from _hf import SP_PLAN
 from torch.distributed.tensor import Replicate, Shard
 
 import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.config.schema import OverlapConfig, OverlapConfigError
 from fsdp_overlap_plugin.models import gpt_small
-from fsdp_overlap_plugin.passes.graph import collective_of_wait, group_name, is_collective, is_wait
 from fsdp_overlap_plugin.runtime.state import get_state
 
 pytestmark = pytest.mark.torch_sensitive  # DTensor placements and parallel styles move between torches
 
 #: Megatron's sequence parallelism for a transformers Llama / Qwen2, as a user writes it
 #: (the plan's patterns are globs per dot-separated name: one entry per projection name)
-SP_PLAN = {
-    "model.embed_tokens": "rowwise",
-    "model.layers.*.input_layernorm": "sequence_parallel",
-    "model.layers.*.self_attn.[qkv]_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.post_attention_layernorm": "sequence_parallel",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "model.norm": "sequence_parallel",
-    "lm_head": "colwise",
-}
 LAYERS = 2
 #: the tests' transformers models (tests/_hf.py) with a vocabulary the tensor group divides
 #: (their own 97 rows cannot be split over 2 ranks: an error, tested below)
@@ -78,31 +66,6 @@ def test_the_config_takes_sequence_parallel_and_still_suggests_the_nearest_style
 # ---------------------------------------------------------------- the graphs
 
 
-def _by_group(gm, groups: dict) -> dict:
-    out: dict = {}
-    for n in gm.graph.nodes:
-        if is_collective(n):
-            key = (groups.get(group_name(n), "other"), str(n.target).split(".")[1])
-            out[key] = out.get(key, 0) + 1
-    return out
-
-
-def _tensor_parallel_order(gm, tp_group: str) -> list[str]:
-    """The tensor-parallel collectives, their waits and every matmul, in graph order."""
-    order = []
-    for n in gm.graph.nodes:
-        launch = collective_of_wait(n) if is_wait(n) else n if is_collective(n) else None
-        if launch is not None and group_name(launch) == tp_group:
-            order.append(("wait " if is_wait(n) else "launch ") + launch.name)
-        elif n.op == "call_function" and n.target in (
-            torch.ops.aten.mm.default,
-            torch.ops.aten.addmm.default,
-            torch.ops.aten.bmm.default,
-        ):
-            order.append(n.name)
-    return order
-
-
 class _Summaries:
     """Each graph's collectives by group and the tensor group's order against the matmuls,
     before and after the passes (a transformers model's graphs hold fake constants that a
@@ -117,11 +80,11 @@ class _Summaries:
 
         def summarising(gm, kind, state, **kwargs):
             tp = state.tp_groups[0]
-            before = (_by_group(gm, self.groups), _tensor_parallel_order(gm, tp))
+            before = (collectives_by_group(gm, self.groups), tensor_parallel_order(gm, tp))
             record = original(gm, kind, state, **kwargs)
             self.graphs[kind] = {
                 "before": before,
-                "after": (_by_group(gm, self.groups), _tensor_parallel_order(gm, tp)),
+                "after": (collectives_by_group(gm, self.groups), tensor_parallel_order(gm, tp)),
             }
             return record
 

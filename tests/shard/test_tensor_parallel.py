@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fake import GraphCapture, fake_world
+from _fake import GraphCapture, collectives_by_group, fake_world, tensor_parallel_order
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -19,12 +19,9 @@ import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.config.schema import OverlapConfig, OverlapConfigError
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 from fsdp_overlap_plugin.passes.graph import (
-    collective_of_wait,
     group_name,
     is_all_gather,
-    is_collective,
     is_reduce_scatter,
-    is_wait,
 )
 from fsdp_overlap_plugin.runtime.state import get_state
 
@@ -237,32 +234,6 @@ def test_a_mesh_and_mesh_tensor_that_disagree_is_an_error(world4):
 # ---------------------------------------------------------------- the passes, at 8 ranks
 
 
-def _by_group(gm, groups: dict) -> dict:
-    out: dict = {}
-    for n in gm.graph.nodes:
-        if is_collective(n):
-            key = (groups.get(group_name(n), "other"), str(n.target).split(".")[1])
-            out[key] = out.get(key, 0) + 1
-    return out
-
-
-def _tensor_parallel_order(gm, tp_group: str) -> list[str]:
-    """The tensor-parallel collectives, their waits and every matmul, in graph order:
-    the passes may move neither kind across the other."""
-    order = []
-    for n in gm.graph.nodes:
-        launch = collective_of_wait(n) if is_wait(n) else n if is_collective(n) else None
-        if launch is not None and group_name(launch) == tp_group:
-            order.append(("wait " if is_wait(n) else "launch ") + launch.name)
-        elif n.op == "call_function" and n.target in (
-            torch.ops.aten.mm.default,
-            torch.ops.aten.addmm.default,
-            torch.ops.aten.bmm.default,
-        ):
-            order.append(n.name)
-    return order
-
-
 def test_at_8_ranks_the_passes_bucket_the_data_parallel_collectives_and_leave_the_plans(monkeypatch):
     """replicate 2 x shard 2 x tensor 2: each bucket's gathers and reduce-scatters are one
     collective on the shard group, its replica all-reduce one on the replicate group; the
@@ -291,18 +262,24 @@ def test_at_8_ranks_the_passes_bucket_the_data_parallel_collectives_and_leave_th
     n_params = 29  # 2 embeddings + 2 blocks x 12 + norm 2 + head 1
     buckets = 4
     before, after = capture.get("forward"), capture.get("forward", "after")
-    assert _by_group(before, groups) == {("shard", "all_gather_into_tensor"): n_params, ("tensor", "all_reduce"): 2}
+    assert collectives_by_group(before, groups) == {
+        ("shard", "all_gather_into_tensor"): n_params,
+        ("tensor", "all_reduce"): 2,
+    }
     # each bucket's gather writes this rank's shards into its slot of the bucket's buffer (fill_slot)
-    assert _by_group(after, groups) == {("shard", "all_gather_into_tensor_out"): buckets, ("tensor", "all_reduce"): 2}
-    assert _tensor_parallel_order(after, tp) == _tensor_parallel_order(before, tp)
+    assert collectives_by_group(after, groups) == {
+        ("shard", "all_gather_into_tensor_out"): buckets,
+        ("tensor", "all_reduce"): 2,
+    }
+    assert tensor_parallel_order(after, tp) == tensor_parallel_order(before, tp)
     before, after = capture.get("backward"), capture.get("backward", "after")
-    counts = _by_group(before, groups)
+    counts = collectives_by_group(before, groups)
     assert counts[("shard", "reduce_scatter_tensor")] == n_params and counts[("replicate", "all_reduce")] == n_params
     assert counts[("tensor", "all_reduce")] == 2
-    counts = _by_group(after, groups)
+    counts = collectives_by_group(after, groups)
     assert counts[("shard", "reduce_scatter_tensor")] == buckets and counts[("replicate", "all_reduce")] == buckets
     assert counts[("tensor", "all_reduce")] == 2
-    assert _tensor_parallel_order(after, tp) == _tensor_parallel_order(before, tp)
+    assert tensor_parallel_order(after, tp) == tensor_parallel_order(before, tp)
     assert not any(is_reduce_scatter(n) and group_name(n) == tp for n in after.graph.nodes)
     # the report counts each kind apart
     assert report["tensor_parallel"]["size"] == 2
@@ -347,11 +324,11 @@ class _Summaries:
 
         def summarising(gm, kind, state, **kwargs):
             tp = state.tp_groups[0]
-            before = (_by_group(gm, self.groups), _tensor_parallel_order(gm, tp))
+            before = (collectives_by_group(gm, self.groups), tensor_parallel_order(gm, tp))
             record = original(gm, kind, state, **kwargs)
             self.graphs[kind] = {
                 "before": before,
-                "after": (_by_group(gm, self.groups), _tensor_parallel_order(gm, tp)),
+                "after": (collectives_by_group(gm, self.groups), tensor_parallel_order(gm, tp)),
             }
             return record
 

@@ -22,6 +22,7 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 from _dist import run_ranks
+from _hf import SP_PLAN
 from _train import LR, full_params, local_slice
 
 import fsdp_overlap_plugin as fo
@@ -31,18 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.middle_torch]
 
 WORLD, TP = 4, 2
 DP = WORLD // TP
-SP_PLAN = {
-    "model.embed_tokens": "rowwise",
-    "model.layers.*.input_layernorm": "sequence_parallel",
-    "model.layers.*.self_attn.[qkv]_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.post_attention_layernorm": "sequence_parallel",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "model.norm": "sequence_parallel",
-    "lm_head": "colwise",
-}
 STEPS = 4
 #: tests/_hf.py's models with a vocabulary the tensor group divides (97 rows cannot be split over 2 ranks)
 VOCAB = 96
