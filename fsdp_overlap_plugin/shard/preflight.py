@@ -13,7 +13,7 @@ from ..config.plan import plan_buckets
 from ..config.schema import ASYNC_TP_NEEDS_TENSOR, OverlapConfig, OverlapConfigError
 from ..config.tp_plan import NO_TENSOR_DIMENSION
 from .activation_checkpointing import checkpointed_modules
-from .tensor_parallel import resolve_tp_plan
+from .tensor_parallel import resolve_tp_plan, tensor_parallel_parameters
 
 __all__ = ["Preflight", "preflight"]
 
@@ -44,7 +44,7 @@ def preflight(model: nn.Module, config: OverlapConfig, world: int | None = None)
     if world is not None and config.tp_plan and config.mesh.tensor == 1:
         # the mesh is the config's (fsdp-overlap check); parallelize checks the mesh it runs on
         raise OverlapConfigError(NO_TENSOR_DIMENSION)
-    if world is not None and config.async_tp and config.mesh.tensor == 1 and not _split_by_user(model):
+    if world is not None and config.async_tp and config.mesh.tensor == 1 and not tensor_parallel_parameters(model):
         raise OverlapConfigError(ASYNC_TP_NEEDS_TENSOR)
     return Preflight(plan, checkpointed, notes, mesh)
 
@@ -63,11 +63,3 @@ def _refuse_fully_shard(model: nn.Module) -> None:
                 "itself (compile-visible, with the passes): remove the fully_shard calls (in configure_model, or "
                 "before prepare / parallelize) and keep the rest, a tensor-parallel plan included."
             )
-
-
-def _split_by_user(model: nn.Module) -> bool:
-    """Parameters already split by the user's own ``parallelize_module`` (the mesh then comes
-    from it, not from the config's mesh.tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
