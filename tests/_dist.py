@@ -22,11 +22,13 @@ import queue
 import re
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any
 
 
@@ -239,6 +241,10 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None and inductor_config.compile_threads is not None:
+        # decided when the fork server imported it: decided again with this rank's environment
+        inductor_config.compile_threads = inductor_config.decide_compile_threads()
     # the ranks of tests that never call parallelize (which registers it) get the plugin's
     # exit hook too: torch's gloo abort at exit is not what those tests test
     from fsdp_overlap_plugin.runtime.devices import settle_gloo_workers_at_exit
@@ -269,19 +275,68 @@ def _rank_logs(crash_dir: str, ranks: list[int]) -> dict[str, str]:
     return {f"rank {r}": _read(os.path.join(crash_dir, f"rank{r}.txt")) for r in ranks}
 
 
-# What the fork server imports before it forks a rank: torch itself (about 1.5 s of CPU per
-# rank on the CI machine, and tests start a few hundred ranks). Nothing more: torch._dynamo
-# and torch._inductor read TORCHINDUCTOR_* settings when they are imported, and tests set
-# those per run (their own cache directory, caches off), so each rank imports them itself.
-PRELOAD = ["torch", "torch.distributed"]
+# What the fork server imports before it forks a rank: torch, Dynamo, DTensor, transformers
+# and Lightning (about 5.5 s of CPU per rank on the CI machine, which every rank of a
+# transformers or Lightning test paid again; tests start a few hundred ranks). Dynamo,
+# inductor, transformers and huggingface_hub read some settings from the environment when
+# they are imported (TORCHINDUCTOR_*, HF_*, ...): a rank forked from the server has the
+# server's values of those. So the server serves only ranks whose environment agrees with
+# its own on every such name (``IMPORT_TIME_PREFIXES``); a rank whose test sets one of them
+# differently (a cache directory of its own, a cache switched on) starts with ``spawn``
+# instead and imports everything itself. TORCHINDUCTOR_COMPILE_THREADS, which the four-rank
+# tests set, is the exception: each rank decides its compile threads again (``_worker``).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "lightning.pytorch",
+]
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRANSFORMERS", "HF_", "HUGGINGFACE", "PL_", "LIGHTNING", "USE_")
+_server_settings: dict[str, str] | None = None  # what the fork server started with
 
 
-def rank_context():
-    """The multiprocessing context ranks start from: ``forkserver`` with torch preloaded.
-    A rank does not inherit the environment from the fork server (started once, with the
-    environment of its first use): ``run_ranks`` sends it the test's environment."""
+# Not compared: read at import, but decided again in each rank (``_worker``); and what the
+# preloaded imports set themselves (Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1), which
+# this process has or not depending on whether it has imported them yet.
+NOT_COMPARED = ("TORCHINDUCTOR_COMPILE_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK")
+
+
+def import_time_settings(environ: dict | os._Environ) -> dict[str, str]:
+    """The variables of ``environ`` that the preloaded modules may read when imported."""
+    return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in NOT_COMPARED}
+
+
+# the session's, as the test modules that import this one are collected
+_SESSION_SETTINGS = import_time_settings(os.environ)
+
+
+def rank_context(environ: dict | None = None):
+    """The multiprocessing context ranks with ``environ`` start from: ``forkserver`` with
+    ``PRELOAD`` imported, where ``environ`` agrees with the fork server's environment on
+    ``IMPORT_TIME_PREFIXES``, else ``spawn``. The fork server starts on the first call, with
+    those variables as the session had them when this module was imported. A rank does not
+    inherit the environment from the fork server: ``run_ranks`` sends it the test's."""
+    global _server_settings
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    if _server_settings is None:
+        # started now, with the session's settings whatever the current test has changed
+        ctx.set_forkserver_preload(PRELOAD)
+        saved = dict(os.environ)
+        try:
+            for name in import_time_settings(os.environ):
+                del os.environ[name]
+            os.environ.update(_SESSION_SETTINGS)
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _server_settings = _SESSION_SETTINGS
+    if import_time_settings(environ if environ is not None else os.environ) != _server_settings:
+        return mp.get_context("spawn")
     return ctx
 
 
@@ -300,10 +355,10 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 600, en
     instead, which puts that stack first. To chase a native crash, run
     benchmarks/stress.py (``NEVER_RERUN``).
     """
-    ctx = rank_context()
+    environ = {**os.environ, **dict(env or {})}  # as the test has it now, not as the fork server had it
+    ctx = rank_context(environ)
     results = ctx.Queue()
     port = free_port()
-    environ = {**os.environ, **dict(env or {})}  # as the test has it now, not as the fork server had it
     with tempfile.TemporaryDirectory(prefix="ranks-") as crash_dir:
         procs = [
             ctx.Process(target=_worker, args=(rank, world, port, fn, args, results, environ, crash_dir), daemon=False)

@@ -103,6 +103,37 @@ def test_results_come_back_in_rank_order():
     assert run_ranks(_sum) == [12.0, 12.0]
 
 
+def _what_the_rank_started_with(rank: int, world: int) -> dict:
+    import sys
+
+    preloaded = "lightning.pytorch" in sys.modules  # this module imports neither it nor transformers
+    import torch._inductor.config as inductor
+
+    return {
+        "preloaded": preloaded,
+        "fx_graph_cache": inductor.fx_graph_cache,
+        "compile_threads": inductor.compile_threads,
+    }
+
+
+def test_ranks_fork_from_the_preloaded_server_only_where_their_environment_agrees_with_it():
+    """The fork server imports transformers and Lightning once (``_dist.PRELOAD``); what those
+    imports read from the environment is the server's. A rank whose test sets such a variable
+    differently starts with ``spawn`` and gets its own; the compile threads are decided again."""
+    plain = run_ranks(_what_the_rank_started_with)
+    assert all(r["preloaded"] for r in plain), plain
+    threads = run_ranks(_what_the_rank_started_with, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    assert all(r["preloaded"] and r["compile_threads"] == 1 for r in threads), threads
+    import torch._inductor.config
+
+    default = torch._inductor.config.decide_compile_threads()
+    assert default != 1 or "TORCHINDUCTOR_COMPILE_THREADS" in os.environ, "the check above could not fail"
+    assert all(r["compile_threads"] == default for r in plain), (plain, default)
+    own = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0" if plain[0]["fx_graph_cache"] else "1"}
+    spawned = run_ranks(_what_the_rank_started_with, env=own)
+    assert all(not r["preloaded"] and r["fx_graph_cache"] != plain[0]["fx_graph_cache"] for r in spawned), spawned
+
+
 @pytest.mark.parametrize("how", ["SIGSEGV", "SIGABRT"])
 def test_a_native_crash_fails_at_once_named_with_its_stacks_and_counted(tmp_path, own_crash_count, how):
     """A segmentation fault in a C function, or an abort: the run is not repeated, the
