@@ -9,11 +9,11 @@ as its users launch it (4 gloo ranks):
 config). The script is an ordinary ``Trainer`` script: SGD, gradient accumulation 2,
 ``max_grad_norm`` clipping (some steps cut, some not). Two jobs: ``tokens``, the default
 ``average_tokens_across_devices=True`` with labels padded with ``-100`` to a different length in
-every row (the ranks count different numbers of tokens); ``per_rank``,
-``average_tokens_across_devices=False`` (each data-parallel rank's loss the mean over its own
-batch; no padding, so that is the one process's mean too); ``live``, as ``tokens`` with the
-tensor size in the script (``TrainingArguments(parallelism_config=ParallelismConfig(
-dp_shard_size=2, tp_size=2))``) instead of the YAML.
+every row (the ranks count different numbers of tokens), the tensor size from the YAML;
+``per_rank``, ``average_tokens_across_devices=False`` (each data-parallel rank's loss the mean
+over its own batch; no padding, so that is the one process's mean too), the tensor size said in
+the script instead (``TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=2,
+tp_size=2))``, the launch's YAML without ``parallelism_config``).
 
 The Trainer scales the loss for tensor parallelism itself: ``num_items_in_batch`` is the
 token count gathered over every rank divided by ``get_tp_size()`` (the two ranks of a pair
@@ -77,12 +77,17 @@ def _yaml(path, parallelism: bool = True):
 #: (average_tokens_across_devices=False; no padding, so every rank counts as many tokens and the
 #: one-process mean over the global batch is the mean of the ranks' means).
 #: max_grad_norm: between the job's smallest and largest gradient norm, so clipping cuts some steps.
-#: ``live``: the tensor size said in the script, TrainingArguments(parallelism_config=
-#: ParallelismConfig(dp_shard_size=2, tp_size=2)) (transformers' own spelling), not in the YAML.
+#: ``per_rank`` says the tensor size in the script, TrainingArguments(parallelism_config=
+#: ParallelismConfig(dp_shard_size=2, tp_size=2)) (transformers' own spelling), not in the YAML;
+#: ``tokens`` in the YAML (``parallelism_config_tp_size``).
 JOBS = {
     "tokens": {},
-    "per_rank": {"average_tokens_across_devices": False, "padded": False, "max_grad_norm": 0.9},
-    "live": {"parallelism": [DP, TP]},
+    "per_rank": {
+        "average_tokens_across_devices": False,
+        "padded": False,
+        "max_grad_norm": 0.9,
+        "parallelism": [DP, TP],
+    },
 }
 
 
