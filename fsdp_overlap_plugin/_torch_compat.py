@@ -80,6 +80,8 @@ __all__ = [
     "process_group_rank",
     "queue_backward_callback",
     "strided_shard",
+    "symbolic_sizes_traceable_under_tensor_parallel",
+    "symbols_keep_their_first_proxy",
     "register_process_group",
     "resolve_process_group",
     "preserve_node_ordering",
@@ -476,6 +478,60 @@ def eager_backward_lowering() -> Iterator[None]:
         )
     with config.patch(force_non_lazy_backward_lowering=True):
         yield
+
+
+def _proxy_tensor_slots() -> Any | None:
+    """torch.fx.experimental.proxy_tensor where it has what ``symbols_keep_their_first_proxy``
+    wraps, else None."""
+    try:
+        module = importlib.import_module("torch.fx.experimental.proxy_tensor")
+    except ImportError:
+        return None
+    if not callable(getattr(module, "set_proxy_slot", None)) or not hasattr(module, "py_sym_types"):
+        return None
+    return module
+
+
+def symbolic_sizes_traceable_under_tensor_parallel() -> bool:
+    """Whether compiles under tensor parallelism may keep symbolic sizes: where
+    ``symbols_keep_their_first_proxy`` can be installed (probed, not by version)."""
+    return _proxy_tensor_slots() is not None
+
+
+@contextlib.contextmanager
+def symbols_keep_their_first_proxy() -> Iterator[None]:
+    """While the plugin compiles a tensor-parallel graph: a symbolic size keeps the first
+    proxy the tracer recorded for its symbol.
+
+    torch's make_fx tracer looks an untracked SymInt up by its expression
+    (``sympy_expr_tracker``), and every SymInt result whose expression is a plain symbol
+    overwrites that entry. DTensor's sharding rules compute ``sym_max(s, 1)`` of a sequence
+    length ``s`` that is at least 2: the result's expression is ``s`` itself, and its lazy
+    proxy, built from ``s``'s, then replaced ``s``'s entry. Forcing it looked ``s`` up and
+    found itself: AOT autograd recursed without end in a tensor-parallel Linear's backward
+    (torch 2.13 to 2.15; docs/tensor-parallel.md has the 15 lines without the plugin). Keeping
+    the first entry is torch's own rule for SymNodes ("never clobber pre-existing proxy"):
+    the primal's, so nothing in the graph depends on a later one.
+    """
+    module = _proxy_tensor_slots()
+    if module is None:
+        yield
+        return
+    original = module.set_proxy_slot
+    sym_types = module.py_sym_types
+
+    def set_proxy_slot(obj: Any, tracer: Any, proxy: Any) -> None:
+        tracker = getattr(tracer, "sympy_expr_tracker", None)
+        kept = tracker.get(obj.node.expr) if tracker is not None and isinstance(obj, sym_types) else None
+        original(obj, tracer, proxy)
+        if kept is not None:
+            tracker[obj.node.expr] = kept
+
+    module.set_proxy_slot = set_proxy_slot
+    try:
+        yield
+    finally:
+        module.set_proxy_slot = original
 
 
 def dynamo_counters() -> Any:

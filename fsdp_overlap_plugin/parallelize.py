@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _torch_compat as compat
 from ._torch_compat import mesh_group_names, mesh_root, resolve_process_group
 from .config import inductor_overlap
 from .config.schema import MeshConfig, OverlapConfig, OverlapConfigError
@@ -266,27 +267,31 @@ def _separate_gather_group(config: OverlapConfig, device_type: str) -> bool:
 
 
 # torch 2.13, 2.14 and 2.15 cannot trace the backward of a tensor-parallel Linear whose input has a
-# symbolic size: AOT autograd recurses without end on a size (``sym_max(s, 1)``) in DTensor's
-# view (docs/tensor-parallel.md has the 15-line reproduction without the plugin; 2.11 traces it).
+# symbolic size without ``compat.symbols_keep_their_first_proxy``, which the backend installs while it
+# compiles a tensor-parallel graph: AOT autograd recursed without end on a size (``sym_max(s, 1)``) in
+# DTensor's view (docs/tensor-parallel.md has the 15-line reproduction without the plugin). Where that
+# cannot be installed (a torch whose tracer has moved), each sequence length compiles static.
 _TP_STATIC = (
-    "dynamic: auto -> false under tensor parallelism: torch's DTensor cannot be traced with symbolic sizes "
-    "here (AOT autograd recurses without end in a tensor-parallel Linear's backward), so each new sequence "
-    "length compiles once on its own, up to Dynamo's recompile limit: pad batches to a few lengths "
-    "(docs/tensor-parallel.md)"
+    "dynamic: auto -> false under tensor parallelism: this torch's tracer lacks what the plugin needs to "
+    "trace DTensor with symbolic sizes (AOT autograd recurses without end in a tensor-parallel Linear's "
+    "backward), so each new sequence length compiles once on its own, up to Dynamo's recompile limit: pad "
+    "batches to a few lengths (docs/tensor-parallel.md)"
 )
 
 
 def _compile_dynamic(config: OverlapConfig, state: OverlapState) -> bool | None:
-    """torch.compile's ``dynamic`` for this model: the config's ("auto" is None), but
-    static under tensor parallelism, where symbolic sizes cannot be traced (``_TP_STATIC``)."""
-    if state.tensor_parallel == 1 or not config.compile:
-        return {"auto": None}.get(config.dynamic, config.dynamic)
+    """torch.compile's ``dynamic`` for this model: the config's ("auto" is None); under tensor
+    parallelism static where this torch cannot trace symbolic sizes through DTensor
+    (``_TP_STATIC``)."""
+    dynamic = {"auto": None}.get(config.dynamic, config.dynamic)
+    if state.tensor_parallel == 1 or not config.compile or compat.symbolic_sizes_traceable_under_tensor_parallel():
+        return dynamic
     if config.dynamic is True:
         raise OverlapConfigError(
-            "dynamic: true compiles every size symbolic, which torch's DTensor cannot trace under tensor "
-            "parallelism (mesh.tensor > 1): AOT autograd recurses without end in a tensor-parallel Linear's "
-            "backward. Use dynamic: auto or false (each sequence length compiles once; pad batches to a few "
-            "lengths), docs/tensor-parallel.md."
+            "dynamic: true compiles every size symbolic, which this torch cannot trace through DTensor under "
+            "tensor parallelism (mesh.tensor > 1): AOT autograd recurses without end in a tensor-parallel "
+            "Linear's backward. Use dynamic: auto or false (each sequence length compiles once; pad batches to "
+            "a few lengths), docs/tensor-parallel.md."
         )
     if config.dynamic == "auto":
         state.adjustments.append(_TP_STATIC)

@@ -25,6 +25,7 @@ cached graph (``cache_records``), holds the compile agreement and the cross-rank
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -85,6 +86,14 @@ def _inner_backend(state: OverlapState):
     return aot_eager_backend(state)
 
 
+def _tensor_parallel_symbols(state: OverlapState) -> Any:
+    """Under tensor parallelism, what lets AOT autograd trace symbolic sizes through DTensor
+    (``compat.symbols_keep_their_first_proxy``); elsewhere nothing."""
+    if state.tensor_parallel > 1:
+        return compat.symbols_keep_their_first_proxy()
+    return contextlib.nullcontext()
+
+
 def overlap_backend(state: OverlapState, progress: CompileProgress | None = None):
     """The backend given to ``torch.compile``: rank check, compile, compile agreement.
 
@@ -126,7 +135,7 @@ def overlap_backend(state: OverlapState, progress: CompileProgress | None = None
         error: BaseException | None = None
         before = cache_counters()
         try:
-            with compat.eager_backward_lowering():
+            with compat.eager_backward_lowering(), _tensor_parallel_symbols(state):
                 compiled = inner(gm, example_inputs)
         except compat.dynamo_restart_error():
             # Dynamo traces the frame again and calls us with the graph it then gets (every

@@ -170,3 +170,29 @@ def test_a_torch_outside_the_range_warns_naming_it(monkeypatch, version, warns):
     assert bool(messages) == warns, messages
     if warns:
         assert _version.supported_range() in messages[0] and version in messages[0]
+
+
+def test_symbolic_sizes_trace_through_a_tensor_parallel_linear_with_the_plugins_help():
+    """docs/tensor-parallel.md's reproduction, which torch 2.13-2.15 alone cannot trace (AOT
+    autograd recursed without end): inside ``symbols_keep_their_first_proxy`` it compiles
+    once, symbolic, for three lengths, forward and backward. On every torch of the matrix the
+    probe must find what that wraps, or tensor-parallel runs would compile each length."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    assert compat.symbolic_sizes_traceable_under_tensor_parallel()
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        counter = CompileCounterWithBackend("aot_eager")
+        step = torch.compile(mlp, backend=counter, fullgraph=True, dynamic=True)
+        with compat.symbols_keep_their_first_proxy():
+            for length in (16, 12, 8):
+                step(torch.randn(2, length, 8, requires_grad=True)).sum().backward()
+        grads = [p.grad.to_local() for p in mlp.parameters() if p.grad is not None]
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+    assert len(grads) == 4 and all(torch.isfinite(g).all() for g in grads)

@@ -208,12 +208,34 @@ def test_a_split_parameter_without_a_tensor_dimension_is_an_error(world4):
         fo.parallelize(model, backend="aot_eager", mesh={"tensor": 2})
 
 
-def test_dynamic_true_is_refused_under_tensor_parallelism(world4):
+@pytest.mark.parametrize("dynamic", ["auto", True])
+def test_new_sequence_lengths_compile_symbolic_under_tensor_parallelism(world4, dynamic):
+    """torch 2.13 to 2.15's tracer recursed without end in a tensor-parallel Linear's backward
+    when a size was symbolic, so every length compiled on its own; the backend now traces
+    with ``compat.symbols_keep_their_first_proxy``. "auto": the first length static, one
+    symbolic graph for every later one; ``dynamic: true``: one graph."""
+    model = fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN, dynamic=dynamic)
+    for length in (16, 12, 8, 10):
+        x, y = fixed_batches(1, 2, length, 256, seed=length)[0]
+        loss_fn(model(x), y).backward()
+    assert get_state(model).dynamo_graphs == (2 if dynamic == "auto" else 1)
+    report = fo.schedule_report(model)
+    assert not [line for line in report["adjustments"] if "under tensor parallelism" in line], report["adjustments"]
+
+
+def test_where_the_tracer_cannot_be_helped_each_length_compiles_static(world4, monkeypatch):
+    from fsdp_overlap_plugin import _torch_compat
+
+    monkeypatch.setattr(_torch_compat, "symbolic_sizes_traceable_under_tensor_parallel", lambda: False)
     with pytest.raises(
         OverlapConfigError,
-        match=r"dynamic: true compiles every size symbolic, which torch's DTensor cannot trace under tensor parallelism",
+        match=r"dynamic: true compiles every size symbolic, which this torch cannot trace through DTensor under "
+        r"tensor parallelism",
     ):
         fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN, dynamic=True)
+    model = fo.parallelize(_gpt(), backend="aot_eager", mesh={"tensor": 2}, tp_plan=GPT_PLAN)
+    adjustments = fo.schedule_report(model)["adjustments"]
+    assert any(line.startswith("dynamic: auto -> false under tensor parallelism") for line in adjustments)
 
 
 def test_a_mesh_and_mesh_tensor_that_disagree_is_an_error(world4):

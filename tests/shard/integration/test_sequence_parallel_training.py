@@ -8,8 +8,9 @@ ranks' batches (the two tensor-parallel ranks of a data-parallel rank see the sa
 * a tied transformers Llama (embedding and head share the split vocabulary rows), aot_eager;
 * an untied Qwen2 (attention biases, its own head), aot_eager;
 * the tied Llama under inductor;
-* the tied Llama on sequences of 15 tokens, which the two tensor-parallel ranks split
-  unevenly (8 and 7).
+* the tied Llama on steps of 16, 15, 12 and 15 tokens: 15 the two tensor-parallel ranks
+  split unevenly (8 and 7); every length after the first runs a graph of a symbolic length,
+  one for lengths the pair divides and one for those it does not (three compiles in all).
 
 The graph structure (which collectives, on which group) is in
 ``tests/shard/test_sequence_parallel.py``.
@@ -38,11 +39,13 @@ VOCAB = 96
 TOL = 1e-5
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 SCENARIOS = {
-    # name: (family, backend, sequence length)
-    "llama_tied_aot_eager": ("llama", "aot_eager", 16),
-    "qwen2_untied_aot_eager": ("qwen2", "aot_eager", 16),
-    "llama_tied_inductor": ("llama", "inductor", 16),
-    "llama_tied_uneven_sequence": ("llama", "aot_eager", 15),
+    # name: (family, backend, sequence length of each step)
+    "llama_tied_aot_eager": ("llama", "aot_eager", (16,) * STEPS),
+    "qwen2_untied_aot_eager": ("qwen2", "aot_eager", (16,) * STEPS),
+    "llama_tied_inductor": ("llama", "inductor", (16,) * STEPS),
+    # 15 tokens split 8 / 7 over the tensor pair, among other lengths: the first compiles
+    # static, then symbolic graphs (dynamic: auto), one for lengths the pair does not divide
+    "llama_tied_uneven_sequence": ("llama", "aot_eager", (16, 15, 12, 15)),
 }
 
 
@@ -81,13 +84,15 @@ def _train(model, data, *, dp_rank: int | None = None) -> list[float]:
 def _scenario(rank: int, name: str) -> dict:
 
     torch._dynamo.reset()
-    family, backend, seq = SCENARIOS[name]
+    family, backend, lengths = SCENARIOS[name]
     g = torch.Generator().manual_seed(1234)
-    data = [torch.randint(0, VOCAB, (4, seq), generator=g) for _ in range(STEPS)]
+    data = [torch.randint(0, VOCAB, (4, seq), generator=g) for seq in lengths]
     model, sharded = _build(family), _build(family)
     fo.parallelize(sharded, backend=backend, mesh={"tensor": TP}, tp_plan=SP_PLAN)
     out = {"losses": _train(sharded, data, dp_rank=rank // TP), "params": full_params(sharded)}
     out["tp_plan"] = dict(get_state(sharded).tp_plan)
+    out["dynamo_graphs"] = get_state(sharded).dynamo_graphs
+    out["recompiles"] = list(get_state(sharded).recompiles)
     if rank == 0:
         out["ref_losses"] = _train(model, data)
         out["ref_params"] = full_params(model)
@@ -121,6 +126,18 @@ def test_trains_like_one_process(results, name):
     for other in results[1:]:
         for k, v in other[name]["params"].items():
             assert torch.equal(v, ours["params"][k]), k
+
+
+def test_other_lengths_share_symbolic_graphs_one_for_lengths_the_group_divides(results):
+    """Sequence shards of a symbolic length (16, then 15, 12 and 15 tokens): the first length
+    compiles static; the later ones run symbolic graphs, one for lengths the tensor group does
+    not divide (DTensor pads their uneven shards: its guard ``s % 2 != 0``) and one for those it
+    does; the second 15 compiles nothing. Without sequence parallelism it is two graphs
+    (test_tensor_parallel_training.py). The losses above match one process at every length."""
+    assert [r["llama_tied_uneven_sequence"]["dynamo_graphs"] for r in results] == [3] * WORLD
+    reasons = [entry["reason"] for entry in results[0]["llama_tied_uneven_sequence"]["recompiles"]]
+    assert len(reasons) == 2 and "% 2" in reasons[1], reasons
+    assert [r["llama_tied_aot_eager"]["dynamo_graphs"] for r in results] == [1] * WORLD
 
 
 @pytest.mark.parametrize("name", ["llama_tied_aot_eager", "qwen2_untied_aot_eager", "llama_tied_inductor"])
