@@ -42,7 +42,24 @@ from torch._guards import detect_fake_mode
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from ._torch_compat_dynamo import (  # split off by job; re-exported: compat.<name> as before
+    _attr,
+    aot_autograd,
+    dynamo_counters,
+    dynamo_restart_error,
+    dynamo_unsupported_error,
+    guard_failure_counts,
+    guard_failures_since,
+    min_cut_partition,
+    recompile_limit,
+    symbolic_sizes_traceable_under_tensor_parallel,
+    symbols_keep_their_first_proxy,
+)
+
 __all__ = [
+    "dynamo_restart_error",
+    "guard_failure_counts",
+    "guard_failures_since",
     "enable_symm_mem_for_group",
     "symm_mem_test_mode",
     "FakeTensor",
@@ -104,15 +121,6 @@ def _missing(what: str, key: str, alternative: str) -> TorchFeatureError:
     )
 
 
-def _attr(module: str, name: str) -> Any | None:
-    """``module.name``, or None when the module or the name is not in this torch."""
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-
-
-# --------------------------------------------------------------------------- inductor
 def inductor_config() -> Any:
     """``torch._inductor.config`` (imported on first use, by the compile path)."""
     return importlib.import_module("torch._inductor.config")
@@ -451,19 +459,6 @@ def process_group_size(group_name: Any) -> int | None:
 
 
 # --------------------------------------------------------------------------- AOT / functorch / dynamo
-def aot_autograd(**kwargs: Any) -> Any:
-    from torch._dynamo.backends.common import aot_autograd as make
-
-    return make(**kwargs)
-
-
-def min_cut_partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
-    """The partitioner torch's own backends use (it honours the recompute tags)."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-
-
 @contextlib.contextmanager
 def eager_backward_lowering() -> Iterator[None]:
     """Compile the backward together with the forward (not lazily at the first backward),
@@ -478,100 +473,6 @@ def eager_backward_lowering() -> Iterator[None]:
         )
     with config.patch(force_non_lazy_backward_lowering=True):
         yield
-
-
-def _proxy_tensor_slots() -> Any | None:
-    """torch.fx.experimental.proxy_tensor where it has what ``symbols_keep_their_first_proxy``
-    wraps, else None."""
-    try:
-        module = importlib.import_module("torch.fx.experimental.proxy_tensor")
-    except ImportError:
-        return None
-    if not callable(getattr(module, "set_proxy_slot", None)) or not hasattr(module, "py_sym_types"):
-        return None
-    return module
-
-
-def symbolic_sizes_traceable_under_tensor_parallel() -> bool:
-    """Whether compiles under tensor parallelism may keep symbolic sizes: where
-    ``symbols_keep_their_first_proxy`` can be installed (probed, not by version)."""
-    return _proxy_tensor_slots() is not None
-
-
-@contextlib.contextmanager
-def symbols_keep_their_first_proxy() -> Iterator[None]:
-    """While the plugin compiles a tensor-parallel graph: a symbolic size keeps the first
-    proxy the tracer recorded for its symbol.
-
-    torch's make_fx tracer looks an untracked SymInt up by its expression
-    (``sympy_expr_tracker``), and every SymInt result whose expression is a plain symbol
-    overwrites that entry. DTensor's sharding rules compute ``sym_max(s, 1)`` of a sequence
-    length ``s`` that is at least 2: the result's expression is ``s`` itself, and its lazy
-    proxy, built from ``s``'s, then replaced ``s``'s entry. Forcing it looked ``s`` up and
-    found itself: AOT autograd recursed without end in a tensor-parallel Linear's backward
-    (torch 2.13 to 2.15; docs/tensor-parallel.md has the 15 lines without the plugin). Keeping
-    the first entry is torch's own rule for SymNodes ("never clobber pre-existing proxy"):
-    the primal's, so nothing in the graph depends on a later one.
-    """
-    module = _proxy_tensor_slots()
-    if module is None:
-        yield
-        return
-    original = module.set_proxy_slot
-    sym_types = module.py_sym_types
-
-    def set_proxy_slot(obj: Any, tracer: Any, proxy: Any) -> None:
-        tracker = getattr(tracer, "sympy_expr_tracker", None)
-        kept = tracker.get(obj.node.expr) if tracker is not None and isinstance(obj, sym_types) else None
-        original(obj, tracer, proxy)
-        if kept is not None:
-            tracker[obj.node.expr] = kept
-
-    module.set_proxy_slot = set_proxy_slot
-    try:
-        yield
-    finally:
-        module.set_proxy_slot = original
-
-
-def dynamo_counters() -> Any:
-    from torch._dynamo.utils import counters
-
-    return counters
-
-
-def recompile_limit() -> Any:
-    """Dynamo's per-frame recompile limit (``recompile_limit``; ``cache_size_limit`` where
-    a release still names it so), or ``"?"``."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    return getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", "?")
-
-
-def guard_failure_counts() -> dict[Any, int]:
-    """How many guard failures Dynamo has recorded per code object so far (it records one
-    per recompilation, worded as its ``recompiles`` log words it); for
-    ``guard_failures_since``."""
-    failures = _attr("torch._dynamo.utils", "guard_failures")
-    return {code: len(reasons) for code, reasons in failures.items()} if failures is not None else {}
-
-
-def guard_failures_since(counts: dict[Any, int]) -> list[str]:
-    """The guard failures Dynamo recorded after ``guard_failure_counts()`` returned ``counts``."""
-    failures = _attr("torch._dynamo.utils", "guard_failures") or {}
-    return [reason for code, reasons in list(failures.items()) for reason in reasons[counts.get(code, 0) :]]
-
-
-def dynamo_restart_error() -> type:
-    """The exception by which a compile asks Dynamo to trace the frame again (for example
-    to turn a float scalar into a tensor under dynamic shapes): no failure."""
-    return _attr("torch._dynamo.exc", "RestartAnalysis") or type("NoRestart", (Exception,), {})
-
-
-def dynamo_unsupported_error() -> type:
-    """The exception Dynamo raises for code it cannot trace."""
-    return _attr("torch._dynamo.exc", "Unsupported") or RuntimeError
 
 
 def inductor_cache_dir() -> str:
