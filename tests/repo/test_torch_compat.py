@@ -192,7 +192,8 @@ def test_symbolic_sizes_trace_through_a_tensor_parallel_linear_with_the_plugins_
         with compat.symbols_keep_their_first_proxy():
             for length in (16, 12, 8):
                 step(torch.randn(2, length, 8, requires_grad=True)).sum().backward()
-        grads = [p.grad.to_local() for p in mlp.parameters() if p.grad is not None]
+        # a fake process group's collectives leave their outputs unwritten: shapes, not values
+        shapes = [(p.to_local().shape, p.grad.to_local().shape) for p in mlp.parameters() if p.grad is not None]
         torch._dynamo.reset()
     assert counter.frame_count == 1
-    assert len(grads) == 4 and all(torch.isfinite(g).all() for g in grads)
+    assert len(shapes) == 4 and all(param == grad for param, grad in shapes), shapes
