@@ -121,6 +121,7 @@ def _missing(what: str, key: str, alternative: str) -> TorchFeatureError:
     )
 
 
+# --------------------------------------------------------------------------- inductor
 def inductor_config() -> Any:
     """``torch._inductor.config`` (imported on first use, by the compile path)."""
     return importlib.import_module("torch._inductor.config")

@@ -20,7 +20,7 @@ def _attr(module: str, name: str) -> Any | None:
         return None
 
 
-# --------------------------------------------------------------------------- inductor
+# --------------------------------------------------------------------------- AOT / functorch / dynamo
 def aot_autograd(**kwargs: Any) -> Any:
     from torch._dynamo.backends.common import aot_autograd as make
 
@@ -36,12 +36,16 @@ def min_cut_partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
 
 def _proxy_tensor_slots() -> Any | None:
     """torch.fx.experimental.proxy_tensor where it has what the function below wraps."""
-    module = _attr("torch.fx.experimental", "proxy_tensor")
-    ok = module is not None and callable(getattr(module, "set_proxy_slot", None)) and hasattr(module, "py_sym_types")
+    try:
+        module = importlib.import_module("torch.fx.experimental.proxy_tensor")
+    except ImportError:
+        return None
+    ok = callable(getattr(module, "set_proxy_slot", None)) and hasattr(module, "py_sym_types")
     return module if ok else None
 
 
 def symbolic_sizes_traceable_under_tensor_parallel() -> bool:
+    """Whether ``symbols_keep_their_first_proxy`` can be installed in this torch."""
     return _proxy_tensor_slots() is not None
 
 

@@ -296,7 +296,7 @@ PRELOAD = [
     "lightning.pytorch",
 ]
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRANSFORMERS", "HF_", "HUGGINGFACE", "PL_", "LIGHTNING", "USE_")
-_server_settings: dict[str, str] | None = None  # what the fork server started with
+_server_started = False  # with _SESSION_SETTINGS
 
 
 # Not compared: read at import, but decided again in each rank (``_worker``); and what the
@@ -320,9 +320,9 @@ def rank_context(environ: dict | None = None):
     ``IMPORT_TIME_PREFIXES``, else ``spawn``. The fork server starts on the first call, with
     those variables as the session had them when this module was imported. A rank does not
     inherit the environment from the fork server: ``run_ranks`` sends it the test's."""
-    global _server_settings
+    global _server_started
     ctx = mp.get_context("forkserver")
-    if _server_settings is None:
+    if not _server_started:
         # started now, with the session's settings whatever the current test has changed
         ctx.set_forkserver_preload(PRELOAD)
         saved = dict(os.environ)
@@ -334,8 +334,8 @@ def rank_context(environ: dict | None = None):
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        _server_settings = _SESSION_SETTINGS
-    if import_time_settings(environ if environ is not None else os.environ) != _server_settings:
+        _server_started = True
+    if import_time_settings(environ if environ is not None else os.environ) != _SESSION_SETTINGS:
         return mp.get_context("spawn")
     return ctx
 
