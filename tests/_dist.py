@@ -294,6 +294,7 @@ PRELOAD = [
     "transformers.modeling_utils",
     "transformers.models.llama.modeling_llama",
     "lightning.pytorch",
+    "_preloaded",  # last: gc.freeze() over everything the imports above made
 ]
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRANSFORMERS", "HF_", "HUGGINGFACE", "PL_", "LIGHTNING", "USE_")
 _server_started = False  # with _SESSION_SETTINGS
@@ -330,6 +331,11 @@ def rank_context(environ: dict | None = None):
             for name in import_time_settings(os.environ):
                 del os.environ[name]
             os.environ.update(_SESSION_SETTINGS)
+            # Python 3.11's server takes the caller's sys.path but does not apply it: this
+            # folder (``_preloaded``) reaches it through PYTHONPATH
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                p for p in (os.path.dirname(os.path.abspath(__file__)), saved.get("PYTHONPATH")) if p
+            )
             forkserver.ensure_running()
         finally:
             os.environ.clear()

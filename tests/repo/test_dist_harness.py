@@ -104,13 +104,16 @@ def test_results_come_back_in_rank_order():
 
 
 def _what_the_rank_started_with(rank: int, world: int) -> dict:
+    import gc
     import sys
 
     preloaded = "lightning.pytorch" in sys.modules  # this module imports neither it nor transformers
+    frozen = gc.get_freeze_count()  # before this rank's own imports
     import torch._inductor.config as inductor
 
     return {
         "preloaded": preloaded,
+        "frozen": frozen,
         "fx_graph_cache": inductor.fx_graph_cache,
         "compile_threads": inductor.compile_threads,
     }
@@ -122,6 +125,8 @@ def test_ranks_fork_from_the_preloaded_server_only_where_their_environment_agree
     differently starts with ``spawn`` and gets its own; the compile threads are decided again."""
     plain = run_ranks(_what_the_rank_started_with)
     assert all(r["preloaded"] for r in plain), plain
+    # the server froze what it imported (tests/_preloaded.py): the collector never walks it
+    assert all(r["frozen"] > 100_000 for r in plain), plain
     threads = run_ranks(_what_the_rank_started_with, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     assert all(r["preloaded"] and r["compile_threads"] == 1 for r in threads), threads
     import torch._inductor.config
@@ -132,6 +137,7 @@ def test_ranks_fork_from_the_preloaded_server_only_where_their_environment_agree
     own = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0" if plain[0]["fx_graph_cache"] else "1"}
     spawned = run_ranks(_what_the_rank_started_with, env=own)
     assert all(not r["preloaded"] and r["fx_graph_cache"] != plain[0]["fx_graph_cache"] for r in spawned), spawned
+    assert all(r["frozen"] == 0 for r in spawned), spawned
 
 
 @pytest.mark.parametrize("how", ["SIGSEGV", "SIGABRT"])
