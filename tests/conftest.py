@@ -61,3 +61,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     ]
     if unmarked:
         raise pytest.UsageError(f"tests under integration/ must be marked slow: {unmarked[:5]}")
+
+
+def pytest_collection_finish(session) -> None:
+    """Every test module is imported now, and with them torch, transformers and Lightning:
+    their objects go to the garbage collector's permanent generation (``gc.freeze``), so the
+    collections during this session's compiles do not walk them again (as the ranks' fork
+    server does: tests/_preloaded.py). FSDP_OVERLAP_TEST_GC_FREEZE=0 leaves them where they are."""
+    if os.environ.get("FSDP_OVERLAP_TEST_GC_FREEZE", "1") != "0":
+        import gc
+
+        gc.freeze()
