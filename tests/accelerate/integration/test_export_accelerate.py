@@ -16,12 +16,14 @@ export: ``save_state`` of this CPU launch writes Accelerate's FSDP2 layout, as o
 plugin's accelerator says ``distributed_type: FSDP`` on every device), and ``save_state_gpu``
 is that layout written by Accelerate's ``save_fsdp_model`` directly. And the old hang, ``save_pretrained``
 under ``if accelerator.is_main_process``, now stops within 60 s naming the fix.
+
+(``examples/hf_accelerate.py --export`` is checked in test_hf_accelerate.py, on a launch that
+module makes anyway.)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 
@@ -153,15 +155,3 @@ def test_saving_on_the_main_process_only_stops_within_60_s_naming_the_fix(tmp_pa
     assert "call it outside `if accelerator.is_main_process:`" in text
     assert not (tmp_path / "out" / "model.safetensors").exists()
     print(f"main-process-only save_pretrained stopped after {seconds:.0f} s")
-
-
-def test_the_example_exports_by_accelerates_recipe(tmp_path):
-    """examples/hf_accelerate.py --export: the recipe as the README shows it."""
-    yaml_path = copy_yaml(tmp_path / "overlap.yaml", fsdp_overlap_backend="aot_eager")
-    proc = accelerate_launch(
-        yaml_path, "--steps", "2", "--export", str(tmp_path / "trained"), script=ROOT / "examples" / "hf_accelerate.py"
-    )
-    assert proc.returncode == 0, output(proc)[-4000:]
-    assert f"saved the trained model to {tmp_path / 'trained'}" in output(proc)
-    files = sorted(os.listdir(tmp_path / "trained"))
-    assert files == ["config.json", "generation_config.json", "model.safetensors"], files

@@ -1,17 +1,21 @@
 """The real ``accelerate launch --config_file <yaml> --num_processes 2 examples/hf_accelerate.py``
 with a Hugging Face Llama (tied embeddings) and GPT-2 (tests/_hf.py's, as ``--config-json``) on
 a CPU-only machine: 2 gloo ranks, losses bitwise equal to the core's ``parallelize()``
-on the same model, data and optimizer, the bucket counts the plan says; and ``--weights``
-of a ``save_pretrained`` checkpoint is what the run starts from.
+on the same model, data and optimizer, the bucket counts the plan says; ``--export`` writes
+the folder Accelerate's recipe writes; and ``--weights`` of a ``save_pretrained`` checkpoint
+is what the run starts from.
 
 The YAML is configs/overlap.yaml with ``fsdp_overlap_backend: aot_eager`` (compile time is
-not the point; the passes run the same).
+not the point; the passes run the same). Each launch runs once per module (``launched``): the
+Llama one also exports, for the export test. The core references of all three launches
+(Llama, GPT-2, Llama with its layers checkpointed) come from one 2-rank job (``core``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import _accelerate
 import _hf
@@ -56,6 +60,44 @@ def hf_launch(config, *args: str):
     return accelerate_launch(config, *args, script=EXAMPLE)
 
 
+def _core_references(rank: int, world: int, steps: int) -> dict[str, list[float]]:
+    """``_core_reference`` of every launch the tests compare, one after the other on the same
+    ranks (one job: the ranks start and import once)."""
+    return {
+        "llama": _core_reference(rank, world, steps, "llama"),
+        "gpt2": _core_reference(rank, world, steps, "gpt2"),
+        "llama, layers checkpointed": _core_reference(rank, world, steps, "llama", ("model.layers.*",)),
+    }
+
+
+@pytest.fixture(scope="module")
+def core() -> list[dict[str, list[float]]]:
+    """Each rank's ``_core_references``."""
+    return run_ranks(_core_references, STEPS, world=2, env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(family)``: the launch of ``family``'s config for STEPS steps with
+    ``--metrics``, run on first use and kept for the module; the Llama run also exports
+    (``--export``), for ``test_the_example_exports_by_accelerates_recipe``."""
+    runs: dict[str, dict] = {}
+
+    def launch(family: str) -> dict:
+        if family not in runs:
+            root = tmp_path_factory.mktemp(f"launch_{family}")
+            config_json = root / "config.json"
+            _hf.config(family).to_json_file(config_json)
+            yaml_path = copy_yaml(root / "hf.yaml", fsdp_overlap_backend="aot_eager")
+            metrics, export = root / "metrics.json", root / "trained"
+            args = ("--config-json", str(config_json), "--steps", str(STEPS), "--metrics", str(metrics))
+            proc = hf_launch(yaml_path, *args, *(("--export", str(export)) if family == "llama" else ()))
+            runs[family] = {"proc": proc, "yaml": yaml_path, "metrics": metrics, "export": export}
+        return runs[family]
+
+    return launch
+
+
 def _assert_bucketed(report: dict, family: str) -> None:
     """Each plan entry one forward all-gather (a tied weight's reads are one gather, in its
     first entry) and one backward reduce-scatter, where before there was one per parameter
@@ -74,12 +116,9 @@ def _assert_bucketed(report: dict, family: str) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # tied embeddings; no loss_type (adjusted)
-def test_launch_trains_the_transformers_model_like_core_parallelize(tmp_path, family):
-    config_json = tmp_path / "config.json"
-    _hf.config(family).to_json_file(config_json)
-    yaml_path = copy_yaml(tmp_path / "hf.yaml", fsdp_overlap_backend="aot_eager")
-    metrics = tmp_path / "metrics.json"
-    proc = hf_launch(yaml_path, "--config-json", str(config_json), "--steps", str(STEPS), "--metrics", str(metrics))
+def test_launch_trains_the_transformers_model_like_core_parallelize(launched, core, family):
+    run = launched(family)
+    proc, yaml_path, metrics = run["proc"], run["yaml"], run["metrics"]
     text = output(proc)
     assert proc.returncode == 0, text[-6000:]
     assert f"fsdp-overlap settings from {yaml_path} (--config_file of accelerate launch" in proc.stdout
@@ -98,14 +137,14 @@ def test_launch_trains_the_transformers_model_like_core_parallelize(tmp_path, fa
         assert any("loss_type None -> 'ForCausalLM'" in note for note in report["adjustments"])
 
     losses = [result["losses"][str(step)] for step in range(STEPS)]
-    reference = run_ranks(_core_reference, STEPS, family, world=2, env={"OMP_NUM_THREADS": "1"})
+    reference = [ranks[family] for ranks in core]
     print("launch losses:", losses, "core:", reference[0])
     assert reference[0] == reference[1]
     assert losses == reference[0], (losses, reference[0])  # bitwise
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
-def test_fsdp_activation_checkpointing_true_checkpoints_each_layer(tmp_path):
+def test_fsdp_activation_checkpointing_true_checkpoints_each_layer(tmp_path, core):
     """Accelerate's own key: every decoder layer recomputed in backward; the losses are the
     core's with activation_checkpointing of the same layers (which equal the losses without
     it: tests/shard/test_activation_checkpointing.py)."""
@@ -128,8 +167,19 @@ def test_fsdp_activation_checkpointing_true_checkpoints_each_layer(tmp_path):
     assert len(kept) == 2 and "'model.layers.1'" in kept[1], kept
     assert report["backward"]["after"]["all_gather"] == 1
     losses = [result["losses"][str(step)] for step in range(STEPS)]
-    reference = run_ranks(_core_reference, STEPS, "llama", ("model.layers.*",), world=2, env={"OMP_NUM_THREADS": "1"})
+    reference = [ranks["llama, layers checkpointed"] for ranks in core]
     assert losses == reference[0], (losses, reference[0])  # bitwise
+
+
+def test_the_example_exports_by_accelerates_recipe(launched):
+    """examples/hf_accelerate.py --export: the recipe as the README shows it (on the Llama
+    launch of ``test_launch_trains_the_transformers_model_like_core_parallelize``)."""
+    run = launched("llama")
+    proc, trained = run["proc"], run["export"]
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert f"saved the trained model to {trained}" in output(proc)
+    files = sorted(os.listdir(trained))
+    assert files == ["config.json", "generation_config.json", "model.safetensors"], files
 
 
 def test_weights_from_a_save_pretrained_checkpoint_are_used(tmp_path):
