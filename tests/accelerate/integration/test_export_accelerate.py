@@ -141,9 +141,10 @@ def test_a_save_state_folder_of_several_models_says_which_it_reads(run, tmp_path
 def test_saving_on_the_main_process_only_stops_within_60_s_naming_the_fix(tmp_path):
     """Before: rank 0 waited in an all-gather only it had started, rank 1 in a barrier, at
     0% CPU for gloo's 30 minutes. Now rank 0's arrival check gives up after
-    rank_check_timeout (20 s here) with the fix in the message, and the launcher stops."""
+    rank_check_timeout (10 s here: rank 1 never arrives, so a longer wait would only idle)
+    with the fix in the message, and the launcher stops."""
     yaml_path = copy_yaml(
-        tmp_path / "overlap.yaml", fsdp_overlap_backend="aot_eager", fsdp_overlap_rank_check_timeout=20
+        tmp_path / "overlap.yaml", fsdp_overlap_backend="aot_eager", fsdp_overlap_rank_check_timeout=10
     )
     start = time.perf_counter()
     script = ROOT / "tests" / "fixtures" / "export_hang.py"
@@ -151,7 +152,7 @@ def test_saving_on_the_main_process_only_stops_within_60_s_naming_the_fix(tmp_pa
     seconds = time.perf_counter() - start
     text = output(proc)
     assert proc.returncode != 0 and seconds < 60, (seconds, text[-3000:])
-    assert "only 1 of 2 ranks reached the save_pretrained call within 20 s (rank_check_timeout)" in text, text[-3000:]
+    assert "only 1 of 2 ranks reached the save_pretrained call within 10 s (rank_check_timeout)" in text, text[-3000:]
     assert "call it outside `if accelerator.is_main_process:`" in text
     assert not (tmp_path / "out" / "model.safetensors").exists()
     print(f"main-process-only save_pretrained stopped after {seconds:.0f} s")
