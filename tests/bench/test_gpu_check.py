@@ -584,23 +584,6 @@ def test_two_fake_ranks_graph_check_passes_on_cpu(monkeypatch):
     check_two_rank_graphs(graphs, "cpu")
 
 
-def test_one_rank_mesh_has_no_collectives_in_its_graphs():
-    """What the script's summary says about a world of one (DTensor skips the gather)."""
-    from _fake import fake_world
-
-    import fsdp_overlap_plugin as fo
-    from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
-
-    with fake_world(1):
-        model = gpt_small(n_layer=2)
-        fo.parallelize(model, backend="aot_eager")
-        x, y = fixed_batches(1, 2, 16, 256)[0]
-        loss_fn(model(x), y).backward()
-        report = fo.schedule_report(model)
-    for kind in ("forward", "backward"):
-        assert report[kind]["before"]["all_gather"] == report[kind]["before"]["reduce_scatter"] == 0
-
-
 # ----------------------------------------------------------------------------- the parent
 def test_run_child_stops_a_phase_at_its_limit(tmp_path):
     log = tmp_path / "phases.log"
@@ -933,31 +916,68 @@ def test_parent_refuses_a_model_that_would_not_fit(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
-def test_training_phases_run_the_compile_path_on_one_cpu_rank(tmp_path):
-    """The phase processes themselves (build, parallelize, train, report, result file),
-    run by the parent as on the GPU, but on one gloo rank with aot_eager (``--_device cpu``):
-    the compile path and the phase plumbing. A 1-rank mesh puts no collective in the
-    graphs, so "compiled-on" and "compiled-off" run the same graph and this says nothing
+def test_training_and_hf_1rank_phases_run_through_the_parent_on_one_cpu_rank(tmp_path):
+    """One parent run, as on the GPU, of the GPT training phases and hf-1rank, each phase a
+    process of its own on one gloo rank with aot_eager (``--_device cpu``, ``--_size tiny``).
+
+    The GPT phases (build, parallelize, train, report, result file): the compile path and
+    the phase plumbing. A 1-rank mesh puts no collective in the graphs (DTensor skips the
+    gather), so "compiled-on" and "compiled-off" run the same graph and this says nothing
     about the passes (tests/bench/test_gpu_cuda.py checks them on two fake ranks on the GPU,
-    tests/passes/test_passes_traced.py on CPU)."""
+    tests/passes/test_passes_traced.py on CPU).
+
+    hf-1rank, started by the parent with --_size and --llama-steps forwarded: the plugin
+    and torch's fully_shard + torch.compile train the same tiny LlamaForCausalLM, with every
+    field the summary needs; on one rank both compute the same losses; the parent renders
+    its rows and checks. (One parent run instead of three jobs: this used to be three tests,
+    the hf-1rank one in-process and again through the parent.)"""
     tiny = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--vocab", "256", "--seq", "32", "--batch", "4"]
-    argv = ["--_device", "cpu", "--out", str(tmp_path), "--phases", "compiled-off,compiled-on,eager", *tiny]
-    # three phases, each compiling, on two shared cores: the limit only stops a hang
+    argv = ["--_device", "cpu", "--_size", "tiny", "--out", str(tmp_path), *tiny]
+    argv += ["--phases", "compiled-off,compiled-on,eager,hf-1rank", "--llama-steps", "4"]
+    # four phases, each compiling, on two shared cores: the limit only stops a hang
     done = _script(*argv, "--steps", "3", "--warmup", "1", "--lr", "3e-3", timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     phases = results["phases"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Result: PASS" in summary
+    # the GPT training phases
     losses = {p: phases[p]["result"]["losses"] for p in ("compiled-off", "compiled-on", "eager")}
     assert all(len(v) == 4 and v[-1] < v[0] for v in losses.values())
     assert losses["compiled-on"] == losses["compiled-off"]  # world of 1, aot_eager: the same graph
     on = phases["compiled-on"]["result"]
     assert on["collectives"]["forward"]["all_gather"] == on["collectives"]["backward"]["all_gather"] == 0
+    # what the script's summary says about a world of one: its graphs, before any pass, hold
+    # no collective at all (DTensor skips the gather; nothing to reduce-scatter either)
+    for kind in ("forward", "backward"):
+        assert on["collectives"][kind]["all_gather"] == on["collectives"][kind]["reduce_scatter"] == 0
     assert phases["compiled-off"]["result"]["collectives"] == {"forward": None, "backward": None}
     rows = {r["phase"]: r for r in results["rows"]}
     assert rows["compiled-on"]["tokens_per_s"] == pytest.approx(4 * 32 / on["step_s"])
     assert rows["compiled-on"]["mfu"] is None  # no matmul phase ran
-    assert "Result: PASS" in (tmp_path / "summary.md").read_text()
     assert "compiled-on step 3: loss" in (tmp_path / "phases.log").read_text()
+    # hf-1rank: the phase process's result, as the parent read it back
+    result = phases["hf-1rank"]["result"]
+    shape = gm.llama_shape("hf-1rank", "tiny")
+    assert result["problems"] == [] and result["world"] == 1 and result["tokens_per_step"] == 2 * 32
+    for name in ("plugin", "fully_shard"):
+        v = result["variants"][name]
+        assert v["status"] == "ok" and v["attention"] == "sdpa" and v["params"] == gm.llama_param_count(shape)
+        assert len(v["losses"]) == 5 and gc.loss_fell(v["losses"]), v["losses"]
+        assert 0 < v["step_s"] <= v["first_step_s"] and v["peak_allocated"] is None
+    assert [len(v["losses"]) for v in result["variants"].values()] == [5, 5]  # --llama-steps 4 forwarded
+    plugin = result["variants"]["plugin"]
+    assert plugin["schedule"]["flops"] > 0 and plugin["schedule"]["graphs"] == 2
+    assert plugin["collectives"]["forward"]["all_gather"] == 0  # one rank: DTensor gathers nothing
+    assert gc.compare_losses(result["variants"]["fully_shard"]["losses"], plugin["losses"], 1e-3)["ok"]
+    runs = {"hf-1rank": ph.PhaseRun("hf-1rank", "ok", result=result)}
+    llama_rows = gc.llama_rows(runs, None)
+    assert [r["status"] for r in llama_rows] == ["ok", "ok"] and all(r["tokens_per_s"] > 0 for r in llama_rows)
+    args = _tiny_args(tmp_path)
+    assert all(ok for _, ok, _ in gc.llama_checks(runs, args)), gc.llama_checks(runs, args)
+    # ... and the parent's rendering of them
+    assert "| hf-1rank: plugin, parallelize() defaults |" in summary
+    assert "- [x] hf-1rank: losses agree: fully_shard vs plugin" in summary
 
 
 # ----------------------------------------------------------------------------- new phases on CPU
@@ -970,32 +990,6 @@ def _tiny_args(tmp_path, *extra: str):
 def _json(result: dict) -> dict:
     """What the parent reads back from the phase's result file."""
     return json.loads(json.dumps(result, default=str))
-
-
-@pytest.mark.slow
-@pytest.mark.oldest_torch  # the GPU machines carry torch 2.11: these must pass there first
-def test_hf_1rank_phase_trains_both_variants_on_cpu(tmp_path):
-    """hf-1rank's process function on one gloo rank (aot_eager): the plugin and torch's
-    fully_shard + torch.compile train the same tiny LlamaForCausalLM, with every field the
-    summary needs; on one rank both compute the same losses."""
-    torch.set_num_threads(1)
-    result = gc.phase_llama(_tiny_args(tmp_path), "hf-1rank")
-    shape = gm.llama_shape("hf-1rank", "tiny")
-    assert result["problems"] == [] and result["world"] == 1 and result["tokens_per_step"] == 2 * 32
-    for name in ("plugin", "fully_shard"):
-        v = result["variants"][name]
-        assert v["status"] == "ok" and v["attention"] == "sdpa" and v["params"] == gm.llama_param_count(shape)
-        assert len(v["losses"]) == 5 and gc.loss_fell(v["losses"]), v["losses"]
-        assert 0 < v["step_s"] <= v["first_step_s"] and v["peak_allocated"] is None
-    plugin = result["variants"]["plugin"]
-    assert plugin["schedule"]["flops"] > 0 and plugin["schedule"]["graphs"] == 2
-    assert plugin["collectives"]["forward"]["all_gather"] == 0  # one rank: DTensor gathers nothing
-    assert gc.compare_losses(result["variants"]["fully_shard"]["losses"], plugin["losses"], 1e-3)["ok"]
-    runs = {"hf-1rank": ph.PhaseRun("hf-1rank", "ok", result=_json(result))}
-    rows = gc.llama_rows(runs, None)
-    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["tokens_per_s"] > 0 for r in rows)
-    args = _tiny_args(tmp_path)
-    assert all(ok for _, ok, _ in gc.llama_checks(runs, args)), gc.llama_checks(runs, args)
 
 
 @pytest.mark.slow
@@ -1058,20 +1052,6 @@ def test_paths_phase_runs_both_examples_on_cpu(tmp_path, monkeypatch):
     assert "--num_processes 1 examples/hf_accelerate.py --steps 20" in " ".join(runs["accelerate"]["command"])
     table = tb.format_paths(result)
     assert table[2].startswith("| Lightning Trainer (examples/hf_lightning.py) | ok |")
-
-
-@pytest.mark.slow
-def test_a_llama_phase_through_the_parent_on_cpu(tmp_path):
-    """The parent starts hf-1rank as on the GPU, forwarding --_size and --llama-steps, and
-    renders its rows and checks."""
-    argv = ["--_device", "cpu", "--_size", "tiny", "--out", str(tmp_path), "--phases", "hf-1rank"]
-    done = _script(*argv, "--warmup", "1", "--llama-steps", "3", "--lr", "3e-3", timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    summary = (tmp_path / "summary.md").read_text()
-    assert "| hf-1rank: plugin, parallelize() defaults |" in summary and "Result: PASS" in summary
-    assert "- [x] hf-1rank: losses agree: fully_shard vs plugin" in summary
-    variants = json.loads((tmp_path / "results.json").read_text())["phases"]["hf-1rank"]["result"]["variants"]
-    assert [len(v["losses"]) for v in variants.values()] == [4, 4]
 
 
 @pytest.mark.slow
