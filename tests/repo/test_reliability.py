@@ -1,5 +1,9 @@
 """Bad input, rank divergence, graph breaks, compile failures, crash and resume,
-determinism: a clear error at startup, on every rank, never a hang."""
+determinism: a clear error at startup, on every rank, never a hang.
+
+The scenarios on 2 gloo ranks run one after the other in one job (``scenarios``, each from
+a fresh Dynamo, each undoing what it broke on rank 1), the late rank last; the tests
+assert on what each returned. Crash and resume launches torchrun."""
 
 from __future__ import annotations
 
@@ -70,9 +74,8 @@ def _bad_inputs(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_bad_input_fails_on_every_rank_before_any_collective():
-    results = run_ranks(_bad_inputs, timeout=300)
-    for rank, result in enumerate(results):
+def test_bad_input_fails_on_every_rank_before_any_collective(scenarios):
+    for rank, result in enumerate(r["bad_inputs"] for r in scenarios):
         assert result["meshes"] == 0, rank
         for (config, _, words), message in zip(BAD_INPUTS, result["messages"]):
             assert message is not None, (rank, config)
@@ -86,23 +89,27 @@ def _diverged(rank: int, world: int, mode: str) -> dict:
     import fsdp_overlap_plugin.models.gpt as gpt
 
     torch._dynamo.reset()
+    real_gelu = gpt.F.gelu
     if rank == 1:
         gpt.F.gelu = torch.relu  # rank 1 runs different model code
-    model = make_model()
-    fo.parallelize(model, backend="aot_eager", rank_check=mode, rank_check_timeout=60)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            losses = train_sharded(model, rank, world, steps=2)
-            error = None
-        except Exception as exc:
-            losses, error = None, f"{type(exc).__name__}: {exc}"
+    try:
+        model = make_model()
+        fo.parallelize(model, backend="aot_eager", rank_check=mode, rank_check_timeout=60)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                losses = train_sharded(model, rank, world, steps=2)
+                error = None
+            except Exception as exc:
+                losses, error = None, f"{type(exc).__name__}: {exc}"
+    finally:
+        gpt.F.gelu = real_gelu
     return {"error": error, "losses": losses, "warnings": [str(w.message) for w in caught]}
 
 
 @pytest.mark.slow
-def test_different_graphs_stop_every_rank_naming_the_node():
-    for rank, result in enumerate(run_ranks(_diverged, "error")):
+def test_different_graphs_stop_every_rank_naming_the_node(scenarios):
+    for rank, result in enumerate(r["rank_check_error"] for r in scenarios):
         error = result["error"]
         assert error is not None and "RankMismatchError" in error, (rank, error)
         assert "the ranks compiled different graphs" in error
@@ -112,8 +119,8 @@ def test_different_graphs_stop_every_rank_naming_the_node():
 
 
 @pytest.mark.slow
-def test_rank_check_warn_warns_and_trains():
-    for rank, result in enumerate(run_ranks(_diverged, "warn")):
+def test_rank_check_warn_warns_and_trains(scenarios):
+    for rank, result in enumerate(r["rank_check_warn"] for r in scenarios):
         assert result["error"] is None, result["error"]
         assert len(result["losses"]) == 2
         assert any("compiled different graphs" in w for w in result["warnings"]), rank
@@ -137,8 +144,8 @@ def _late_rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_rank_check_cannot_hang():
-    result = run_ranks(_late_rank)[0]
+def test_rank_check_cannot_hang(scenarios):
+    result = scenarios[0]["late_rank"]
     assert "RankTimeoutError" in result["error"] and "only 1 of 2 ranks" in result["error"]
     assert result["seconds"] < 30
 
@@ -199,18 +206,31 @@ def test_graph_break_without_fullgraph_warns_with_counts():
 
 
 # ------------------------------------------------------------------ compile failures
-def _compile_failure(rank: int, world: int, on_error: str) -> dict:
+def _compile_failures(rank: int, world: int) -> dict:
+    """Compilation fails on rank 1 only, with ``on_compile_error`` "raise" then "eager":
+    what each run ended with, and on rank 0 the single-process reference ("ref")."""
     import fsdp_overlap_plugin.compile.backends as fo_compile
 
-    torch._dynamo.reset()
-    model = make_model()
-    ref_losses, ref_params = train_reference(model) if rank == 0 else (None, None)
+    ref_losses, ref_params = train_reference(make_model()) if rank == 0 else (None, None)
+    out: dict = {"ref": (ref_losses, ref_params)}
+    real = fo_compile.run_passes
     if rank == 1:  # compilation fails on one rank only
 
         def broken(*args, **kwargs):
             raise RuntimeError("injected compile failure")
 
         fo_compile.run_passes = broken
+    try:
+        for on_error in ("raise", "eager"):
+            out[on_error] = _compile_failure(rank, world, on_error)
+    finally:
+        fo_compile.run_passes = real
+    return out
+
+
+def _compile_failure(rank: int, world: int, on_error: str) -> dict:
+    torch._dynamo.reset()
+    model = make_model()
     fo.parallelize(model, backend="aot_eager", on_compile_error=on_error)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -222,17 +242,15 @@ def _compile_failure(rank: int, world: int, on_error: str) -> dict:
         "error": None,
         "losses": losses,
         "params": full_params(model),
-        "ref": (ref_losses, ref_params),
         "warnings": [str(w.message) for w in caught],
         "mode": fo.schedule_report(model)["mode"],
     }
 
 
 @pytest.mark.slow
-def test_compile_failure_on_one_rank_falls_back_to_eager_on_all():
-    results = run_ranks(_compile_failure, "eager")
-    ref_losses, ref_params = results[0]["ref"]
-    for rank, result in enumerate(results):
+def test_compile_failure_on_one_rank_falls_back_to_eager_on_all(scenarios):
+    ref_losses, ref_params = scenarios[0]["compile_failure"]["ref"]
+    for rank, result in enumerate(r["compile_failure"]["eager"] for r in scenarios):
         assert result["error"] is None, result["error"]
         assert result["mode"] == "eager after a compile failure"
         assert any("injected compile failure" in w and "uncompiled" in w for w in result["warnings"]), rank
@@ -245,8 +263,8 @@ def test_compile_failure_on_one_rank_falls_back_to_eager_on_all():
 
 
 @pytest.mark.slow
-def test_compile_failure_on_one_rank_stops_all_with_raise():
-    results = run_ranks(_compile_failure, "raise")
+def test_compile_failure_on_one_rank_stops_all_with_raise(scenarios):
+    results = [r["compile_failure"]["raise"] for r in scenarios]
     assert "injected compile failure" in results[1]["error"]
     assert results[0]["error"].startswith("PeerCompileError: fsdp-overlap: compilation failed on another rank")
     assert "(rank 1: RuntimeError: injected compile failure)" in results[0]["error"]
@@ -319,8 +337,8 @@ def _interrupted_save(rank: int, world: int, workdir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    result = run_ranks(_interrupted_save, str(tmp_path))[0]
+def test_interrupted_save_leaves_the_previous_checkpoint_loadable(scenarios):
+    result = scenarios[0]["interrupted_save"]
     assert result["step"] == 2 and result["same"]
     assert result["listing"] == ["latest", "step_00000002", "step_00000003"]
 
@@ -368,8 +386,8 @@ def _rank_free(gm) -> tuple[str, list[tuple]]:
 
 
 @pytest.mark.slow
-def test_same_seed_same_losses_and_same_graphs_on_every_rank():
-    results = run_ranks(_twice)
+def test_same_seed_same_losses_and_same_graphs_on_every_rank(scenarios):
+    results = [r["twice"] for r in scenarios]
     for result in results:
         assert result["first"]["losses"] == result["second"]["losses"]  # bitwise, run to run
     for result in results:
@@ -385,6 +403,26 @@ def test_same_seed_same_losses_and_same_graphs_on_every_rank():
         for dim, start, end, numel, fill_rank in (slot for graph in per_graph for slot in graph):
             assert dim == 0 and numel == len(results) * (end - start) and start == rank * (end - start)
             assert fill_rank == rank
+
+
+# ------------------------------------------------------------- the scenarios' one job
+def _scenarios(rank: int, world: int, workdir: str) -> dict:
+    """Every 2-rank scenario of this module on the same ranks, one after the other (one job
+    instead of eight): what each returned, by name. Each starts from a fresh Dynamo and a
+    new model, and puts back what it broke on rank 1; the late rank, which leaves rank 0
+    without its peer's compile, comes last."""
+    out = {"bad_inputs": _bad_inputs(rank, world), "twice": _twice(rank, world)}
+    out["interrupted_save"] = _interrupted_save(rank, world, workdir)
+    for mode in ("error", "warn"):
+        out[f"rank_check_{mode}"] = _diverged(rank, world, mode)
+    out["compile_failure"] = _compile_failures(rank, world)
+    out["late_rank"] = _late_rank(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> list[dict]:
+    return run_ranks(_scenarios, str(tmp_path_factory.mktemp("interrupted_save")))
 
 
 def test_troubleshooting_lists_every_bad_input_tried():
