@@ -2,7 +2,10 @@
 took and what the compile cache did (messages.CompileProgress): through ``parallelize``
 on 2 gloo ranks, cold and then warm against one TORCHINDUCTOR_CACHE_DIR; a recompile is
 announced a bounded number of times; the eager fallback closes the announcement; and the
-Lightning Trainer and ``accelerate launch`` paths print the same lines."""
+Lightning Trainer and ``accelerate launch`` paths print the same lines.
+
+The core path is two jobs of 2 ranks (``core_runs``): the cold one then trains a model that
+recompiles, the warm one a model whose compile fails on rank 1, each from a fresh Dynamo."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ import pytest
 import yaml
 from _accelerate import OVERLAP_YAML, accelerate_launch, launch_env, output
 from _dist import run_ranks
-from _lightning import trainer_script
 
 from fsdp_overlap_plugin.report.messages import PROGRESS_ENV, CompileProgress
 
@@ -68,6 +70,20 @@ def _broken_rank1(rank: int, world: int) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _train(rank, world, "aot_eager", [16, 16], {"on_compile_error": "eager"})
+
+
+def _inductor_then(rank: int, world: int, then: str) -> dict[str, str]:
+    """Three steps under inductor, then (from a fresh Dynamo) ``then``: "recompile" (new
+    lengths under aot_eager) or "fallback" (``_broken_rank1``); what each wrote to stderr."""
+    import torch._dynamo
+
+    out = {"inductor": _train(rank, world, "inductor", [16, 16, 16], {})}
+    torch._dynamo.reset()
+    if then == "recompile":
+        out[then] = _train(rank, world, "aot_eager", [16, 16, 24, 20, 28], {"fullgraph": False})
+    else:
+        out[then] = _broken_rank1(rank, world)
+    return out
 
 
 # ----------------------------------------------------------------- the lines themselves
@@ -127,32 +143,37 @@ def test_rank_1_and_the_environment_variable_silence_it(capsys, monkeypatch):
 
 
 # --------------------------------------------------------------------------- core path
-@pytest.mark.slow
-def test_core_cold_then_warm_on_rank_0_only(tmp_path):
+@pytest.fixture(scope="module")
+def core_runs(tmp_path_factory) -> list[list[dict[str, str]]]:
+    """The cold job then the warm one against one cache, each rank's ``_inductor_then``."""
     env = {
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
         "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
         "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
     }
-    runs = [run_ranks(_train, "inductor", [16, 16, 16], {}, env=env) for _ in range(2)]
-    for run, cache in zip(runs, ("0 of 1 graph", "1 of 1 graph")):
-        rank0, rank1 = (_lines(text) for text in run)
-        assert rank1 == [], run[1]
-        assert len(rank0) == 2, run[0]  # once, not at every step
+    return [run_ranks(_inductor_then, then, env=env) for then in ("recompile", "fallback")]
+
+
+@pytest.mark.slow
+def test_core_cold_then_warm_on_rank_0_only(core_runs):
+    for run, cache in zip(core_runs, ("0 of 1 graph", "1 of 1 graph")):
+        rank0, rank1 = (_lines(out["inductor"]) for out in run)
+        assert rank1 == [], run[1]["inductor"]
+        assert len(rank0) == 2, run[0]["inductor"]  # once, not at every step
         assert rank0[0] == COMPILING
         assert COMPILED.fullmatch(rank0[1]).group(1) == f"forward and backward; {cache} from the compile cache"
 
 
 @pytest.mark.slow
-def test_core_recompile_for_a_new_length_and_the_eager_fallback(tmp_path):
+def test_core_recompile_for_a_new_length_and_the_eager_fallback(core_runs):
     # dynamic: auto compiles once more at the first new length (symbolic), then never
-    rank0, rank1 = (_lines(t) for t in run_ranks(_train, "aot_eager", [16, 16, 24, 20, 28], {"fullgraph": False}))
+    rank0, rank1 = (_lines(out["recompile"]) for out in core_runs[0])
     assert rank1 == []
     assert rank0[0] == COMPILING and COMPILED.fullmatch(rank0[1])
     assert rank0[2].startswith(AGAIN) and COMPILED.fullmatch(rank0[3]), rank0
     assert len(rank0) == 4, rank0
     # on_compile_error: eager: the announcement ends with the fallback, not "compiled in"
-    rank0, rank1 = (_lines(t) for t in run_ranks(_broken_rank1))
+    rank0, rank1 = (_lines(out["fallback"]) for out in core_runs[1])
     assert rank1 == []
     assert rank0[0] == COMPILING
     assert rank0[1].startswith("fsdp-overlap: compiling failed after ") and "runs uncompiled" in rank0[1]
@@ -160,13 +181,14 @@ def test_core_recompile_for_a_new_length_and_the_eager_fallback(tmp_path):
 
 
 # --------------------------------------------------------------------- the adapters
-LIGHTNING_SCRIPT = trainer_script('FSDPOverlapStrategy(backend="aot_eager")', n_layer=1, rows=12, max_steps=3)
-
-
+# (_lightning imported here, not at the top: the core path's ranks, which start with
+# ``spawn`` and import this module, need not import Lightning)
 @pytest.mark.slow
 def test_lightning_trainer_devices_2_prints_it_once(tmp_path):
+    from _lightning import trainer_script
+
     script = tmp_path / "train.py"
-    script.write_text(LIGHTNING_SCRIPT)
+    script.write_text(trainer_script('FSDPOverlapStrategy(backend="aot_eager")', n_layer=1, rows=12, max_steps=3))
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=600
     )
