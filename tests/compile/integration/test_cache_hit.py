@@ -1,5 +1,10 @@
 """An FX graph cache hit in a fresh process: the compiled code loads (our passes do not
-run), and the schedule report still shows what they did, marked as from the cache."""
+run), and the schedule report still shows what they did, marked as from the cache; a
+graph compiled with buckets missing is caught again when it is loaded.
+
+Four processes compile one small GPT with inductor (``cache_runs``): cold then warm
+against one cache, and cold with the bucketing made to miss then warm with it fixed
+against another. The good cold run is also the unbucketed check's control."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ def _aot(run: str) -> dict:
 
 
 SCRIPT = r"""
-import json, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 try:
     import transformers  # a lazy module: torchmetrics imports it in passing, under Lightning
@@ -35,8 +40,12 @@ except ImportError:
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 import fsdp_overlap_plugin as fo
 import fsdp_overlap_plugin.compile.backends as backends
+import fsdp_overlap_plugin.passes.bucketing as bucketing
 from torch._dynamo.utils import counters
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
+if os.environ.get("MISATTRIBUTE"):  # the bucketing looks modules up as 0.1 did on transformers models
+    real = bucketing.owner_module
+    bucketing.owner_module = lambda node: "0." + (real(node) or "")
 ran = {"post_grad": 0, "joint": 0}
 def counted(fn, key):
     def run(*args, **kwargs):
@@ -47,12 +56,18 @@ def counted(fn, key):
 backends.run_passes = counted(backends.run_passes, "post_grad")
 backends.run_reshard = counted(backends.run_reshard, "joint")
 torch.manual_seed(0)
-model = gpt_small(n_layer=2)
+model = gpt_small(n_layer=2, d_model=32)  # with 1 block, nothing is resharded after the forward
 fo.parallelize(model, backend="inductor")
 x, y = fixed_batches(1, 2, 16, 256)[0]
-loss_fn(model(x), y).backward()
+try:
+    loss_fn(model(x), y).backward()
+    outcome = "trained"
+except Exception as exc:
+    outcome = "unbucketed" if "UnbucketedError" in repr(exc) or "missed collectives" in str(exc) else repr(exc)
 report = fo.schedule_report(model)
-out = {k: report[k] for k in ("forward", "backward", "reshard", "graphs")}
+out = {k: report.get(k) for k in ("forward", "backward", "reshard", "graphs")}
+out["outcome"] = outcome
+out["from_cache"] = [g.get("from_cache", False) for g in report["graphs"]]
 out["passes_ran"] = ran
 out["counters"] = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
 out["modeling_utils"] = "transformers.modeling_utils" in sys.modules
@@ -60,12 +75,27 @@ print("REPORT" + json.dumps(out))
 """
 
 
-def _run(cache_dir: str) -> dict:
+def _run(cache_dir: str, misattribute: bool = False) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    env.pop("MISATTRIBUTE", None)
+    if misattribute:
+        env["MISATTRIBUTE"] = "1"
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("REPORT"))
     return json.loads(line[len("REPORT") :])
+
+
+@pytest.fixture(scope="module")
+def cache_runs(tmp_path_factory) -> dict:
+    """The four runs, in order: ``cold`` and ``warm`` share one cache; ``unbucketed`` (the
+    bucketing misattributes modules) and ``unbucketed_warm`` (the same code as ``cold``)
+    share another."""
+    good, bad = tmp_path_factory.mktemp("good_cache"), tmp_path_factory.mktemp("unbucketed_cache")
+    runs = {"cold": _run(str(good)), "warm": _run(str(good))}
+    runs["unbucketed"] = _run(str(bad), misattribute=True)
+    runs["unbucketed_warm"] = _run(str(bad))  # the passes are fine now, the cached code is not
+    return runs
 
 
 def _cache_counts(run: dict) -> dict:
@@ -80,9 +110,8 @@ def _cache_counts(run: dict) -> dict:
     }
 
 
-def test_report_survives_an_fx_graph_cache_hit(tmp_path):
-    cold = _run(str(tmp_path))
-    warm = _run(str(tmp_path))
+def test_report_survives_an_fx_graph_cache_hit(cache_runs):
+    cold, warm = cache_runs["cold"], cache_runs["warm"]
     # what a hit still spends is torch's own: our passes neither make the caches miss nor
     # run on a hit (the records are reloaded instead), and nothing is recompiled
     assert cold["passes_ran"] == {"post_grad": 2, "joint": 1}, cold["passes_ran"]
@@ -105,51 +134,14 @@ def test_report_survives_an_fx_graph_cache_hit(tmp_path):
     assert warm["reshard"]["resharded"] == cold["reshard"]["resharded"] > 0
 
 
-CHECK_SCRIPT = r"""
-import json, os, torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-import fsdp_overlap_plugin as fo
-import fsdp_overlap_plugin.passes.bucketing as bucketing
-from fsdp_overlap_plugin.compile.diagnostics import UnbucketedError
-from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
-if os.environ.get("MISATTRIBUTE"):  # the bucketing looks modules up as 0.1 did on transformers models
-    real = bucketing.owner_module
-    bucketing.owner_module = lambda node: "0." + (real(node) or "")
-torch.manual_seed(0)
-model = gpt_small(n_layer=1, d_model=32)
-fo.parallelize(model, backend="inductor")
-x, y = fixed_batches(1, 2, 16, 256)[0]
-try:
-    loss_fn(model(x), y).backward()
-    outcome = "trained"
-except Exception as exc:
-    outcome = "unbucketed" if "UnbucketedError" in repr(exc) or "missed collectives" in str(exc) else repr(exc)
-graphs = fo.schedule_report(model)["graphs"]
-print("RESULT" + json.dumps({"outcome": outcome, "from_cache": [g.get("from_cache", False) for g in graphs]}))
-"""
-
-
-def _check_run(cache_dir: str, misattribute: bool) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCHINDUCTOR_FX_GRAPH_CACHE="1")
-    env.pop("MISATTRIBUTE", None)
-    if misattribute:
-        env["MISATTRIBUTE"] = "1"
-    out = subprocess.run([sys.executable, "-c", CHECK_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
-
-
-def test_unbucketed_check_runs_on_a_cache_hit(tmp_path):
+def test_unbucketed_check_runs_on_a_cache_hit(cache_runs):
     """A graph compiled with buckets missing is caught when it is compiled, and again when a
     later process loads it from the FX graph cache (where no pass runs): the stored record
     carries what was missed."""
-    cold = _check_run(str(tmp_path), misattribute=True)
-    assert cold == {"outcome": "unbucketed", "from_cache": [False, False]}
-    warm = _check_run(str(tmp_path), misattribute=False)  # the passes are fine now, the cached code is not
-    assert warm == {"outcome": "unbucketed", "from_cache": [True, True]}
+    cold, warm = cache_runs["unbucketed"], cache_runs["unbucketed_warm"]
+    assert (cold["outcome"], cold["from_cache"]) == ("unbucketed", [False, False])
+    assert (warm["outcome"], warm["from_cache"]) == ("unbucketed", [True, True])
     # the control: the same code on a cold cache trains (a warm cache that trains is
-    # test_warm_cache's)
-    fresh = _check_run(str(tmp_path / "fresh"), misattribute=False)
-    assert fresh == {"outcome": "trained", "from_cache": [False, False]}
+    # test_warm_cache's); it is test_report_survives_an_fx_graph_cache_hit's cold run
+    fresh = cache_runs["cold"]
+    assert (fresh["outcome"], fresh["from_cache"]) == ("trained", [False, False])
