@@ -5,12 +5,22 @@ back into a number), the 9th stopped with a false "graph break", ranks slicing o
 batch stopped at the first recompile (the slice's storage offset became a graph input on
 rank 1 only), the report failed on a symbolic size, and ``model.generate`` stopped too.
 Each test trains 2 gloo ranks at 12 distinct lengths and compares with one process.
+
+The ranks are costly to start and to warm up, so the scenarios share jobs: one 2-rank job
+(``aot_eager_runs``) runs every aot_eager scenario of CI's 2.13 lane in turn (the repo GPT
+at twelve lengths, ``dynamic: true``, the recompile limit with and without fullgraph, each
+rank at its own length, generate, a different model on one rank: last, as it stops both
+ranks), and one (``newest_runs``) those of the 2.15 lane (the Llama under aot_eager, the
+Llama and the repo GPT under inductor, generate under inductor); each test asserts on its
+scenario's part of the results.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import os
 import re
 import warnings
 
@@ -144,39 +154,6 @@ def _check_dynamic_report(result: dict) -> None:
     assert result["predicted"]["forward"]["after"]["comm_s"] > 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", [pytest.param("llama", marks=pytest.mark.newest_torch), "gpt"])
-def test_twelve_lengths_compile_twice_and_match_one_process_aot_eager(kind):
-    results = run_ranks(_train, kind, "aot_eager", {}, timeout=600)
-    _check(results, _reference(kind, _batches(kind)), 1e-6)
-    _check_dynamic_report(results[0])
-
-
-@pytest.mark.slow
-@pytest.mark.newest_torch  # CI: on 2.15, beside the aot_eager Llama's twelve lengths
-def test_twelve_lengths_inductor_twice_against_one_cache(tmp_path):
-    """The transformers Llama under inductor, run twice against one inductor cache: the
-    second run loads both graphs from it, with the same losses and compile count."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
-    reference = _reference("llama", _batches("llama"))
-    cold = run_ranks(_train, "llama", "inductor", {}, timeout=900, env=env)
-    _check(cold, reference, 1e-4)
-    _check_dynamic_report(cold[0])
-    warm = run_ranks(_train, "llama", "inductor", {}, timeout=900, env=env)
-    _check(warm, reference, 1e-4)
-    for result in warm:
-        assert all(from_cache for _, _, from_cache in result["graphs"]), result["graphs"]
-        assert [c["fx_graph"]["hit"] > 0 for c in result["cache"]] == [True, True], result["cache"]
-    assert warm[0]["losses"] == cold[0]["losses"]
-
-
-@pytest.mark.slow
-@pytest.mark.newest_torch  # CI: on 2.15, beside the aot_eager Llama's twelve lengths
-def test_repo_gpt_inductor_twelve_lengths():
-    results = run_ranks(_train, "gpt", "inductor", {}, timeout=900)
-    _check(results, _reference("gpt", _batches("gpt")), 1e-4)
-
-
 def _own_lengths(rank: int, world: int) -> dict:
     """Each rank pads its own batch: rank 0 cycles through the lengths, rank 1 keeps one
     (it never recompiles while rank 0 does, so no agreement round may wait for it)."""
@@ -188,9 +165,171 @@ def _own_batches(rank: int) -> list:
     return [(x[: BATCH // 2], x[: BATCH // 2]) for x, _ in _batches("llama", lengths, seed=7 + rank)]
 
 
+def _limit(rank: int, world: int) -> dict:
+    import torch._dynamo
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 3
+    try:
+        _train(rank, world, "gpt", "aot_eager", {"dynamic": False})
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+    return {"error": None}
+
+
+def _limit_without_fullgraph(rank: int, world: int) -> dict:
+    import torch._dynamo
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 3
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = _train(rank, world, "gpt", "aot_eager", {"dynamic": False, "fullgraph": False})
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+    result["warnings"] = [str(w.message) for w in caught]
+    return result
+
+
+def _diverged_dynamic(rank: int, world: int) -> dict:
+    import fsdp_overlap_plugin.models.gpt as gpt
+
+    gelu = gpt.F.gelu
+    if rank == 1:
+        gpt.F.gelu = torch.relu  # rank 1 runs different model code
+    try:
+        _train(rank, world, "gpt", "aot_eager", {"dynamic": True, "rank_check_timeout": 60})
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        gpt.F.gelu = gelu
+    return {"error": None}
+
+
+def _generate(rank: int, world: int, backend: str) -> dict:
+    from fsdp_overlap_plugin.runtime.state import get_state
+
+    torch._dynamo.reset()
+    model = _model("llama")
+    fo.parallelize(model, backend=backend)
+    model.eval()
+    prompt = torch.randint(0, _hf.VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        tokens = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    return {"tokens": tokens.tolist(), "compiles": get_state(model).dynamo_graphs}
+
+
+def _aot_eager_scenarios(rank: int, world: int) -> dict:
+    """Every aot_eager scenario of CI's 2.13 lane, in turn on the same two ranks (each on a
+    new model, after ``torch._dynamo.reset()``; what one changes in the process it puts
+    back). The recompile limit without fullgraph runs before the one with it (its warning
+    is the first of the run), and a different model on one rank last (it stops both)."""
+    return {
+        "gpt": _train(rank, world, "gpt", "aot_eager", {}),
+        "dynamic_true": _train(rank, world, "gpt", "aot_eager", {"dynamic": True}),
+        "own_lengths": _own_lengths(rank, world),
+        "generate": _generate(rank, world, "aot_eager"),
+        "limit_without_fullgraph": _limit_without_fullgraph(rank, world),
+        "limit": _limit(rank, world),
+        "diverged": _diverged_dynamic(rank, world),
+    }
+
+
+def _use_cache(cache: str) -> None:
+    """This rank compiles against the inductor cache in the folder ``cache``. Set here, in
+    the rank: a ``TORCHINDUCTOR_*`` variable given to ``run_ranks`` would start the ranks
+    with spawn instead of the fork server, each importing torch and transformers again."""
+    import torch._inductor.config
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read at each use (cache_dir())
+    torch._inductor.config.fx_graph_cache = True
+
+
+def _newest_scenarios(rank: int, world: int, cache: str) -> dict:
+    """Every scenario of CI's 2.15 lane but the warm-cache run, in turn on the same two
+    ranks, against the empty inductor cache ``cache``: the Llama's inductor run is the
+    first inductor compile of the job, so it fills the cache from nothing."""
+    _use_cache(cache)
+    return {
+        "llama_aot_eager": _train(rank, world, "llama", "aot_eager", {}),
+        "llama_inductor": _train(rank, world, "llama", "inductor", {}),
+        "gpt_inductor": _train(rank, world, "gpt", "inductor", {}),
+        "generate": _generate(rank, world, "inductor"),
+    }
+
+
+def _warm_llama(rank: int, world: int, cache: str) -> dict:
+    _use_cache(cache)
+    return _train(rank, world, "llama", "inductor", {})
+
+
+@pytest.fixture(scope="module")
+def aot_eager_runs() -> list[dict]:
+    """Each rank's results of ``_aot_eager_scenarios``: one job for the tests of CI's 2.13 lane."""
+    return run_ranks(_aot_eager_scenarios, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def newest_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("inductor_cache"))
+
+
+@pytest.fixture(scope="module")
+def newest_runs(newest_cache) -> list[dict]:
+    """Each rank's results of ``_newest_scenarios``: one job for the tests of CI's 2.15 lane."""
+    return run_ranks(_newest_scenarios, newest_cache, timeout=900)
+
+
+def _part(runs: list[dict], scenario: str) -> list[dict]:
+    return [run[scenario] for run in runs]
+
+
+@functools.cache
+def _reference_losses(kind: str) -> list[float]:
+    """``_reference`` over the twelve lengths, computed once per model."""
+    return _reference(kind, _batches(kind))
+
+
 @pytest.mark.slow
-def test_each_rank_pads_to_its_own_length():
-    results = run_ranks(_own_lengths, timeout=600)
+@pytest.mark.parametrize("kind", [pytest.param("llama", marks=pytest.mark.newest_torch), "gpt"])
+def test_twelve_lengths_compile_twice_and_match_one_process_aot_eager(kind, request):
+    if kind == "llama":  # CI: on 2.15, in the job of the Llama's and the repo GPT's inductor runs
+        results = _part(request.getfixturevalue("newest_runs"), "llama_aot_eager")
+    else:
+        results = _part(request.getfixturevalue("aot_eager_runs"), "gpt")
+    _check(results, _reference_losses(kind), 1e-6)
+    _check_dynamic_report(results[0])
+
+
+@pytest.mark.slow
+@pytest.mark.newest_torch  # CI: on 2.15, beside the aot_eager Llama's twelve lengths
+def test_twelve_lengths_inductor_twice_against_one_cache(newest_runs, newest_cache):
+    """The transformers Llama under inductor, run twice against one inductor cache: the
+    second run (a new job) loads both graphs from it, with the same losses and compile count."""
+    reference = _reference_losses("llama")
+    cold = _part(newest_runs, "llama_inductor")
+    _check(cold, reference, 1e-4)
+    _check_dynamic_report(cold[0])
+    warm = run_ranks(_warm_llama, newest_cache, timeout=900)
+    _check(warm, reference, 1e-4)
+    for result in warm:
+        assert all(from_cache for _, _, from_cache in result["graphs"]), result["graphs"]
+        assert [c["fx_graph"]["hit"] > 0 for c in result["cache"]] == [True, True], result["cache"]
+    assert warm[0]["losses"] == cold[0]["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.newest_torch  # CI: on 2.15, beside the aot_eager Llama's twelve lengths
+def test_repo_gpt_inductor_twelve_lengths(newest_runs):
+    _check(_part(newest_runs, "gpt_inductor"), _reference_losses("gpt"), 1e-4)
+
+
+@pytest.mark.slow
+def test_each_rank_pads_to_its_own_length(aot_eager_runs):
+    results = _part(aot_eager_runs, "own_lengths")
     assert results[0]["compiles"] == 2 and results[1]["compiles"] == 1
     # one process: the mean of the two ranks' mean losses, as their averaged gradients
     model = _model("llama")
@@ -207,29 +346,18 @@ def test_each_rank_pads_to_its_own_length():
 
 
 @pytest.mark.slow
-def test_dynamic_true_compiles_once():
-    results = run_ranks(_train, "gpt", "aot_eager", {"dynamic": True}, timeout=600)
-    _check(results, _reference("gpt", _batches("gpt")), 1e-6, compiles=1)
+def test_dynamic_true_compiles_once(aot_eager_runs):
+    results = _part(aot_eager_runs, "dynamic_true")
+    _check(results, _reference_losses("gpt"), 1e-6, compiles=1)
     assert not results[0]["recompiles"]
     assert results[0]["dynamic_sizes"], "dynamic: true traces symbolic sizes from the first call"
 
 
-def _limit(rank: int, world: int) -> dict:
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = 3
-    try:
-        _train(rank, world, "gpt", "aot_eager", {"dynamic": False})
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"error": None}
-
-
 @pytest.mark.slow
-def test_recompile_limit_is_named_as_what_it_is():
+def test_recompile_limit_is_named_as_what_it_is(aot_eager_runs):
     """dynamic: false compiles each length anew, until Dynamo's recompile limit: the error
     names the limit, the guard that failed and the fixes; it is no graph break."""
-    for rank, result in enumerate(run_ranks(_limit, timeout=600)):
+    for rank, result in enumerate(_part(aot_eager_runs, "limit")):
         error = result["error"]
         assert error is not None and error.startswith("RecompileLimitError: "), (rank, error)
         assert "compiled 3 times, Dynamo's recompile limit (3" in error
@@ -238,66 +366,30 @@ def test_recompile_limit_is_named_as_what_it_is():
         assert "graph break" not in error.replace("no graph break", "")
 
 
-def _limit_without_fullgraph(rank: int, world: int) -> dict:
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = 3
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = _train(rank, world, "gpt", "aot_eager", {"dynamic": False, "fullgraph": False})
-    result["warnings"] = [str(w.message) for w in caught]
-    return result
-
-
 @pytest.mark.slow
-def test_recompile_limit_without_fullgraph_warns_instead_of_going_quiet():
+def test_recompile_limit_without_fullgraph_warns_instead_of_going_quiet(aot_eager_runs):
     """With fullgraph: false Dynamo runs the forward uncompiled past the limit: training
     goes on, correct, but unbucketed, and the run says so once."""
-    results = run_ranks(_limit_without_fullgraph, timeout=600)
-    _check(results, _reference("gpt", _batches("gpt")), 1e-6, compiles=3)
+    results = _part(aot_eager_runs, "limit_without_fullgraph")
+    _check(results, _reference_losses("gpt"), 1e-6, compiles=3)
     for result in results:
         limit = [w for w in result["warnings"] if "recompile limit" in w]
         assert len(limit) == 1 and "runs it uncompiled" in limit[0], result["warnings"]
 
 
-def _diverged_dynamic(rank: int, world: int) -> dict:
-    import fsdp_overlap_plugin.models.gpt as gpt
-
-    if rank == 1:
-        gpt.F.gelu = torch.relu  # rank 1 runs different model code
-    try:
-        _train(rank, world, "gpt", "aot_eager", {"dynamic": True, "rank_check_timeout": 60})
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"error": None}
-
-
 @pytest.mark.slow
-def test_a_different_model_on_one_rank_still_stops_every_rank_with_symbolic_sizes():
-    for rank, result in enumerate(run_ranks(_diverged_dynamic, timeout=600)):
+def test_a_different_model_on_one_rank_still_stops_every_rank_with_symbolic_sizes(aot_eager_runs):
+    for rank, result in enumerate(_part(aot_eager_runs, "diverged")):
         error = result["error"]
         assert error is not None and error.startswith("RankMismatchError"), (rank, error)
         assert "the ranks compiled different graphs (graph 1)" in error
         assert "rank 0 has `call_function gelu (s" in error and "rank 1 has `call_function " in error, error
 
 
-def _generate(rank: int, world: int, backend: str) -> dict:
-    from fsdp_overlap_plugin.runtime.state import get_state
-
-    torch._dynamo.reset()
-    model = _model("llama")
-    fo.parallelize(model, backend=backend)
-    model.eval()
-    prompt = torch.randint(0, _hf.VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad():
-        tokens = model.generate(prompt, max_new_tokens=16, do_sample=False)
-    return {"tokens": tokens.tolist(), "compiles": get_state(model).dynamo_graphs}
-
-
 @pytest.mark.slow
-# inductor: CI runs it on 2.15, beside the other inductor runs of this file
+# inductor: CI runs it on 2.15, in the job of the other inductor runs of this file
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.newest_torch)])
-def test_generate_on_the_sharded_model_gives_one_process_tokens(backend):
+def test_generate_on_the_sharded_model_gives_one_process_tokens(backend, request):
     """Greedy generation, as users sample during training: the prompt, then one token at
     a time against a growing KV cache. Three graphs: the prompt, the first token (static),
     every later token (dynamic cache length)."""
@@ -305,7 +397,8 @@ def test_generate_on_the_sharded_model_gives_one_process_tokens(backend):
     prompt = torch.randint(0, _hf.VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         expected = reference.generate(prompt, max_new_tokens=16, do_sample=False).tolist()
-    for result in run_ranks(_generate, backend, timeout=900):
+    runs = request.getfixturevalue("aot_eager_runs" if backend == "aot_eager" else "newest_runs")
+    for result in _part(runs, "generate"):
         assert result["tokens"] == expected
         assert len(result["tokens"][0]) == 6 + 16
         assert result["compiles"] <= 3, result["compiles"]
