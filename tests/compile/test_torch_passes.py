@@ -431,7 +431,7 @@ import fsdp_overlap_plugin as fo
 from fsdp_overlap_plugin.models import fixed_batches, gpt_small, loss_fn
 with fake_world(2):
     torch.manual_seed(0)
-    model = gpt_small()
+    model = gpt_small(n_layer=1, d_model=32)  # what is cached, not its size, is the point: the smallest GPT
     x, y = fixed_batches(1, 2, 16, 256)[0]
     fo.parallelize(model, backend="inductor", inductor_overlap="auto", manual_bucketing=False, overlap_grad_reduce=False)
     loss_fn(model(x), y).backward()
