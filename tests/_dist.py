@@ -300,10 +300,13 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRANSFORMERS", "HF_", "HUGGINGFACE"
 _server_started = False  # with _SESSION_SETTINGS
 
 
-# Not compared: read at import, but decided again in each rank (``_worker``); and what the
-# preloaded imports set themselves (Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1), which
-# this process has or not depending on whether it has imported them yet.
-NOT_COMPARED = ("TORCHINDUCTOR_COMPILE_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK")
+# Not compared: read at import, but decided again in each rank (``_worker``); read at each
+# use, never at import (inductor's ``cache_dir()`` reads TORCHINDUCTOR_CACHE_DIR whenever it
+# looks up or writes an entry, on every torch of the matrix: a test's own cache folder keeps
+# its ranks on the fork server); and what the preloaded imports set themselves (Lightning
+# sets PYTORCH_NVML_BASED_CUDA_CHECK=1), which this process has or not depending on whether
+# it has imported them yet.
+NOT_COMPARED = ("TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 def import_time_settings(environ: dict | os._Environ) -> dict[str, str]:

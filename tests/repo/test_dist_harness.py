@@ -110,25 +110,32 @@ def _what_the_rank_started_with(rank: int, world: int) -> dict:
     preloaded = "lightning.pytorch" in sys.modules  # this module imports neither it nor transformers
     frozen = gc.get_freeze_count()  # before this rank's own imports
     import torch._inductor.config as inductor
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return {
         "preloaded": preloaded,
         "frozen": frozen,
         "fx_graph_cache": inductor.fx_graph_cache,
         "compile_threads": inductor.compile_threads,
+        "cache_dir": cache_dir(),
     }
 
 
-def test_ranks_fork_from_the_preloaded_server_only_where_their_environment_agrees_with_it():
+def test_ranks_fork_from_the_preloaded_server_only_where_their_environment_agrees_with_it(tmp_path):
     """The fork server imports transformers and Lightning once (``_dist.PRELOAD``); what those
     imports read from the environment is the server's. A rank whose test sets such a variable
-    differently starts with ``spawn`` and gets its own; the compile threads are decided again."""
+    differently starts with ``spawn`` and gets its own; the compile threads are decided again,
+    and the cache folder is read where inductor uses it."""
     plain = run_ranks(_what_the_rank_started_with)
     assert all(r["preloaded"] for r in plain), plain
     # the server froze what it imported (tests/_preloaded.py): the collector never walks it
     assert all(r["frozen"] > 100_000 for r in plain), plain
     threads = run_ranks(_what_the_rank_started_with, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     assert all(r["preloaded"] and r["compile_threads"] == 1 for r in threads), threads
+    # a cache folder of the test's own: read when inductor uses it, so the server serves it too
+    own_cache = run_ranks(_what_the_rank_started_with, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert all(r["preloaded"] and r["cache_dir"] == str(tmp_path) for r in own_cache), own_cache
+    assert plain[0]["cache_dir"] != str(tmp_path)
     import torch._inductor.config
 
     default = torch._inductor.config.decide_compile_threads()
