@@ -168,28 +168,20 @@ def _own_batches(rank: int) -> list:
 def _limit(rank: int, world: int) -> dict:
     import torch._dynamo
 
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = 3
     try:
-        _train(rank, world, "gpt", "aot_eager", {"dynamic": False})
+        with torch._dynamo.config.patch(recompile_limit=3):
+            _train(rank, world, "gpt", "aot_eager", {"dynamic": False})
     except Exception as exc:  # noqa: BLE001 - the test reads the message
         return {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        torch._dynamo.config.recompile_limit = limit
     return {"error": None}
 
 
 def _limit_without_fullgraph(rank: int, world: int) -> dict:
     import torch._dynamo
 
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = 3
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = _train(rank, world, "gpt", "aot_eager", {"dynamic": False, "fullgraph": False})
-    finally:
-        torch._dynamo.config.recompile_limit = limit
+    with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _train(rank, world, "gpt", "aot_eager", {"dynamic": False, "fullgraph": False})
     result["warnings"] = [str(w.message) for w in caught]
     return result
 
@@ -239,9 +231,10 @@ def _aot_eager_scenarios(rank: int, world: int) -> dict:
 
 
 def _use_cache(cache: str) -> None:
-    """This rank compiles against the inductor cache in the folder ``cache``. Set here, in
-    the rank: a ``TORCHINDUCTOR_*`` variable given to ``run_ranks`` would start the ranks
-    with spawn instead of the fork server, each importing torch and transformers again."""
+    """This rank compiles against the inductor cache in the folder ``cache``, the FX graph
+    cache on. Set here, in the rank: ``TORCHINDUCTOR_FX_GRAPH_CACHE`` given to ``run_ranks``
+    is read at import, so it would start the ranks with spawn instead of the fork server,
+    each importing torch and transformers again (tests/_dist.py, ``NOT_COMPARED``)."""
     import torch._inductor.config
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read at each use (cache_dir())
